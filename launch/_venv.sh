@@ -1,0 +1,28 @@
+# Sourced by the set-up scripts: make sure ./.venv exists and holds rft_jax with the
+# given extras, reinstalling only when pyproject.toml (or the extras) changed.
+# Usage: source launch/_venv.sh [EXTRAS]     e.g.  source launch/_venv.sh test
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${RFT_JAX_VENV:-$ROOT/.venv}"
+EXTRAS="${1:-}"
+PYTHON="${PYTHON:-python3}"
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "rft_jax needs Python >= 3.11; '$PYTHON' is $("$PYTHON" --version 2>&1)" >&2
+  exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "creating virtual environment in $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+SPEC="."
+[ -n "$EXTRAS" ] && SPEC=".[$EXTRAS]"
+STAMP="$VENV/.rft_jax_installed"
+WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $EXTRAS"
+if [ ! -f "$STAMP" ] || ! grep -qxF "$WANT" "$STAMP"; then
+  echo "installing rft_jax$([ -n "$EXTRAS" ] && echo "[$EXTRAS]") into $VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  (cd "$ROOT" && "$VENV/bin/python" -m pip install --quiet -e "$SPEC")
+  echo "$WANT" >> "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
