@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from rft_jax.entropy.discriminator import entropy_from_probs, log_softmax, probs_and_safe_log
+from rft_jax.entropy.discriminator import probs_and_safe_log
 
 
 class TokenStats(NamedTuple):
@@ -45,13 +45,24 @@ class TokenStats(NamedTuple):
 
 
 def _row_stats(logits: Float[Array, "V"], token: Int[Array, ""]) -> TokenStats:
-  """Statistics of one position from its float32 (temperature-scaled) logits."""
-  logp_all = log_softmax(logits)
-  logp = logp_all[token]
-  p, log_p = probs_and_safe_log(jax.lax.stop_gradient(logp_all))
-  h = entropy_from_probs(p, log_p)
-  s = p * (h + log_p)
-  return TokenStats(logp=logp, entropy=h, s_star=s[token], expected_s=jnp.sum(p * s))
+  r"""Statistics of one position from its float32 (temperature-scaled) logits.
+
+  Written as row reductions so that no ``[V]``-sized intermediate needs to be stored
+  beside the logits (XLA fuses each into its reduction):
+  :math:`H = -\sum p \log p`, :math:`S_* = p_k (H + \log p_k)` and
+  :math:`\mathbb{E}_p[S] = H \sum_i p_i^2 + \sum_i p_i^2 \log p_i`. The normaliser
+  is the accurate ``log1p`` form of :func:`rft_jax.entropy.discriminator.log_softmax`.
+  """
+  top = jnp.argmax(logits)
+  shifted = logits - logits[top]
+  log_norm = jnp.log1p(jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, jnp.exp(shifted))))
+  logp = shifted[token] - log_norm
+
+  p, log_p = probs_and_safe_log(jax.lax.stop_gradient(shifted - log_norm))
+  h = -jnp.sum(p * log_p)
+  expected_s = h * jnp.sum(p * p) + jnp.sum(p * p * log_p)
+  p_k, log_p_k = probs_and_safe_log(jax.lax.stop_gradient(logp))
+  return TokenStats(logp=logp, entropy=h, s_star=p_k * (h + log_p_k), expected_s=expected_s)
 
 
 def token_stats(
@@ -60,7 +71,7 @@ def token_stats(
     *,
     unembedding: Float[Array, "D V"] | None = None,
     temperature: float | Float[Array, ""] = 1.0,
-    chunk_size: int | None = 1024,
+    chunk_size: int | None = 512,
 ) -> TokenStats:
   r"""Log-prob, entropy, :math:`S_*` and :math:`\mathbb{E}_p[S]` at every position.
 
