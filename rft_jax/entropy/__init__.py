@@ -1,10 +1,13 @@
 """The theory of arXiv 2602.03392 as pure JAX functions.
 
 Nothing here imports the rest of the project. See ``discriminator`` (H, S, E_p[S]),
-``dynamics`` (Theorems 1-2, Lemma 1, Corollary 4) and ``token_stats`` (the chunked
-per-token pass the learner uses).
+``dynamics`` (Theorems 1-2, Lemma 1, Corollary 4), ``token_stats`` (the chunked
+per-token pass the learner uses) and ``clipping`` (the Clip_B / Clip_V masks).
 """
 
+from rft_jax.entropy.clipping import clip_b_mask
+from rft_jax.entropy.clipping import clip_v_mask
+from rft_jax.entropy.clipping import discriminator_sign_mask
 from rft_jax.entropy.discriminator import centered_token_discriminator
 from rft_jax.entropy.discriminator import discriminator
 from rft_jax.entropy.discriminator import entropy
@@ -24,6 +27,9 @@ __all__ = [
     "TokenStats",
     "batch_entropy_change",
     "centered_token_discriminator",
+    "clip_b_mask",
+    "clip_v_mask",
+    "discriminator_sign_mask",
     "discriminator",
     "entropy",
     "entropy_jvp",
