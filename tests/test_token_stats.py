@@ -127,3 +127,12 @@ def test_chunking_bounds_peak_memory():
   assert chunked_fwd < 4 * chunk_logits_bytes
   # backward also holds the float32 gradient of the unembedding (d x v)
   assert chunked_bwd < 4 * chunk_logits_bytes + 3 * d * v * 4, (chunked_bwd, naive_bwd)
+
+
+def test_entropy_grad_option_matches_the_gradient_of_entropy():
+  hidden, w, tokens = random_case(seed=4)
+  def mean_entropy(h, **kw):
+    return jnp.mean(E.token_stats(h, tokens, unembedding=w, temperature=0.7, chunk_size=5, **kw).entropy)
+  want = jax.grad(lambda h: jnp.mean(E.entropy((h @ w) / 0.7)))(hidden)
+  np.testing.assert_allclose(jax.jit(jax.grad(lambda h: mean_entropy(h, entropy_grad=True)))(hidden), want, rtol=1e-4, atol=1e-6)
+  assert float(jnp.max(jnp.abs(jax.grad(mean_entropy)(hidden)))) == 0.0

@@ -44,7 +44,7 @@ class TokenStats(NamedTuple):
     return self.s_star - self.expected_s
 
 
-def _row_stats(logits: Float[Array, "V"], token: Int[Array, ""]) -> TokenStats:
+def _row_stats(logits: Float[Array, "V"], token: Int[Array, ""], entropy_grad: bool = False) -> TokenStats:
   r"""Statistics of one position from its float32 (temperature-scaled) logits.
 
   Written as row reductions so that no ``[V]``-sized intermediate needs to be stored
@@ -58,11 +58,13 @@ def _row_stats(logits: Float[Array, "V"], token: Int[Array, ""]) -> TokenStats:
   log_norm = jnp.log1p(jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, jnp.exp(shifted))))
   logp = shifted[token] - log_norm
 
-  p, log_p = probs_and_safe_log(jax.lax.stop_gradient(shifted - log_norm))
+  log_p_all = shifted - log_norm
+  p, log_p = probs_and_safe_log(log_p_all if entropy_grad else jax.lax.stop_gradient(log_p_all))
   h = -jnp.sum(p * log_p)
-  expected_s = h * jnp.sum(p * p) + jnp.sum(p * p * log_p)
+  p, log_p, h_const = jax.lax.stop_gradient((p, log_p, h))
+  expected_s = h_const * jnp.sum(p * p) + jnp.sum(p * p * log_p)
   p_k, log_p_k = probs_and_safe_log(jax.lax.stop_gradient(logp))
-  return TokenStats(logp=logp, entropy=h, s_star=p_k * (h + log_p_k), expected_s=expected_s)
+  return TokenStats(logp=logp, entropy=h, s_star=p_k * (h_const + log_p_k), expected_s=expected_s)
 
 
 def token_stats(
@@ -72,6 +74,7 @@ def token_stats(
     unembedding: Float[Array, "D V"] | None = None,
     temperature: float | Float[Array, ""] = 1.0,
     chunk_size: int | None = 512,
+    entropy_grad: bool = False,
 ) -> TokenStats:
   r"""Log-prob, entropy, :math:`S_*` and :math:`\mathbb{E}_p[S]` at every position.
 
@@ -90,10 +93,11 @@ def token_stats(
     temperature: sampling temperature :math:`T > 0`.
     chunk_size: positions per chunk; peak memory is ``O(chunk_size * V)``. ``None``
       processes all positions at once (the naive path, for reference).
+    entropy_grad: let gradients flow through ``entropy`` too (for an entropy bonus).
 
   Returns:
-    :class:`TokenStats` of ``[...]`` arrays. Only ``logp`` carries gradients (to
-    ``inputs`` and ``unembedding``).
+    :class:`TokenStats` of ``[...]`` arrays. Only ``logp`` (and ``entropy`` with
+    ``entropy_grad``) carries gradients, to ``inputs`` and ``unembedding``.
   """
   if tokens.shape != inputs.shape[:-1]:
     raise ValueError(
@@ -112,7 +116,7 @@ def token_stats(
       logits = x.astype(dtype)
     else:
       logits = jnp.dot(x, unembedding, preferred_element_type=dtype)
-    return _row_stats(logits / temperature, token)
+    return _row_stats(logits / temperature, token, entropy_grad)
 
   flat_x = inputs.reshape(-1, inputs.shape[-1])
   flat_t = tokens.reshape(-1)

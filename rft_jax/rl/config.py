@@ -1,0 +1,140 @@
+"""Configuration of the learner, with the paper's symbols (validated on construction).
+
+Part of the run's single config tree (``rft_jax.config``): YAML and dotted CLI
+overrides are merged into these dataclasses, so a typo or a wrong type is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from rft_jax.entropy.clipping import CLIP_B_MU_LOW, CLIP_V_MAX_FRAC, CLIP_V_MU_LOW, SAMPLES
+from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
+from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+
+ENTROPY_MASKS = ("none", "clip_b", "clip_v", "sign")
+SCHEDULES = ("constant", "warmup_cosine")
+
+
+def _choice(field: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{field}={value!r} is not one of {sorted(choices)}")
+
+
+def _positive(field: str, value, allow_zero: bool = False) -> None:
+  if value is None or value < 0 or (value == 0 and not allow_zero):
+    raise ValueError(f"{field} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+@dataclasses.dataclass
+class EntropyMaskConfig:
+  """Which tokens the entropy-discriminator mask removes from the loss.
+
+  Attributes:
+    kind: ``none``, ``clip_b`` (Algorithm 1), ``clip_v`` (Algorithm 2) or ``sign``
+      (the Figure 1 masks on the sign of S_*).
+    mu_low: lower cut mu^- in batch standard deviations (None: the kind's default,
+      2.5 for Clip_B and 8.5 for Clip_V).
+    mu_high: upper cut mu^+ (None: no upper cut, as the released configs).
+    samples: which samples may be masked: ``negative`` (A < 0), ``positive``, ``all``.
+    max_frac: Clip_V's cap on the masked share of valid tokens (None: its default 1e-4;
+      set 1.0 for no cap).
+    sign / action: for ``kind=sign``: ``positive``/``negative`` S_*, ``keep``/``drop``.
+  """
+
+  kind: str = "none"
+  mu_low: Optional[float] = None
+  mu_high: Optional[float] = None
+  samples: str = "negative"
+  max_frac: Optional[float] = None
+  sign: str = "positive"
+  action: str = "drop"
+
+  def __post_init__(self):
+    _choice("entropy_mask.kind", self.kind, ENTROPY_MASKS)
+    _choice("entropy_mask.samples", self.samples, SAMPLES)
+    _choice("entropy_mask.sign", self.sign, ("positive", "negative"))
+    _choice("entropy_mask.action", self.action, ("keep", "drop"))
+    for name in ("mu_low", "mu_high"):
+      if getattr(self, name) is not None:
+        _positive(f"entropy_mask.{name}", getattr(self, name), allow_zero=True)
+
+  @property
+  def resolved_mu_low(self) -> float:
+    if self.mu_low is not None:
+      return self.mu_low
+    return CLIP_V_MU_LOW if self.kind == "clip_v" else CLIP_B_MU_LOW
+
+  @property
+  def resolved_max_frac(self) -> float:
+    return CLIP_V_MAX_FRAC if self.max_frac is None else self.max_frac
+
+
+@dataclasses.dataclass
+class LearnerConfig:
+  """The GRPO learner.
+
+  Attributes:
+    advantage: estimator name (``grpo``, ``drgrpo``, ``rloo``).
+    advantage_eps: epsilon of the group z-score; advantage_ddof: its std's ddof.
+    eps_low / eps_high: PPO clip range [1 - eps_low, 1 + eps_high] of the ratio r.
+    dual_clip: dual-clip constant c > 1 for A < 0 (None: off).
+    loss_agg: loss aggregation (``token-mean``, ``seq-mean-token-mean``, ...).
+    kl_coef / kl_estimator: KL-to-reference penalty beta (0: off) and its estimator.
+    entropy_coef: entropy bonus coefficient (0: off).
+    entropy_mask: the Clip_B / Clip_V / sign mask.
+    lr: learning rate eta; schedule ``constant`` or ``warmup_cosine``; warmup_steps;
+      total_steps (for the cosine decay); weight_decay; b1, b2: Adam betas.
+    max_grad_norm: global-norm gradient clipping (None: off).
+    mini_batches: optimizer steps per batch of rollouts; ppo_epochs: passes.
+    micro_batch_size: sequences per gradient-accumulation step (per mini-batch).
+    temperature: sampling temperature T of the rollouts; every statistic and log p
+      is of softmax(z / T).
+    stats_chunk_size: positions per chunk of ``token_stats``.
+    forecast_every: every this many steps, measure the entropy change of the update
+      on the same batch (one extra forward pass; 0: never).
+  """
+
+  advantage: str = "grpo"
+  advantage_eps: float = 1e-6
+  advantage_ddof: int = 1
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: Optional[float] = None
+  loss_agg: str = "token-mean"
+  max_len: Optional[int] = None
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  entropy_coef: float = 0.0
+  entropy_mask: EntropyMaskConfig = dataclasses.field(default_factory=EntropyMaskConfig)
+  lr: float = 1e-6
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  total_steps: int = 1000
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  max_grad_norm: Optional[float] = 1.0
+  mini_batches: int = 1
+  ppo_epochs: int = 1
+  micro_batch_size: int = 8
+  temperature: float = 1.0
+  stats_chunk_size: int = 512
+  forecast_every: int = 0
+
+  def __post_init__(self):
+    if isinstance(self.entropy_mask, dict):
+      self.entropy_mask = EntropyMaskConfig(**self.entropy_mask)
+    _choice("learner.advantage", self.advantage, ADVANTAGE_ESTIMATORS)
+    _choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
+    _choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    _choice("learner.schedule", self.schedule, SCHEDULES)
+    for name in ("lr", "temperature", "mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size", "total_steps"):
+      _positive(f"learner.{name}", getattr(self, name))
+    for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "forecast_every"):
+      _positive(f"learner.{name}", getattr(self, name), allow_zero=True)
+    if self.dual_clip is not None and self.dual_clip <= 1:
+      raise ValueError(f"learner.dual_clip must be > 1, got {self.dual_clip}")
+    if self.max_grad_norm is not None:
+      _positive("learner.max_grad_norm", self.max_grad_norm)
