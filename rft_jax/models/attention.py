@@ -1,0 +1,91 @@
+r"""Grouped-query self-attention with RoPE, optional q/k/v biases (Qwen2) and q/k RMSNorm (Qwen3).
+
+Shapes: B batch, T query positions, S key positions (T without a cache, the cache length with
+one), N query heads, K key/value heads, G = N / K, H head width, D model width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from rft_jax.models.config import QwenConfig
+from rft_jax.models.layers import RMSNorm, apply_rope, normal_init, param
+
+# Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
+# uniform (unused) distribution instead of NaN.
+_MASKED = -1e30
+
+
+def causal_padding_mask(attention_mask: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
+  """``mask[b, t, s]``: query ``t`` may attend to key ``s`` (``s <= t`` and ``s`` a real token)."""
+  t = attention_mask.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+  return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
+
+
+def attend(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], v: Float[Array, "B S K H"],
+           mask: Bool[Array, "B T S"]) -> Float[Array, "B T N H"]:
+  r"""Masked softmax attention :math:`\mathrm{softmax}(q k^\top / \sqrt{H}) v`, heads grouped.
+
+  Query head ``n`` reads key/value head ``n // G`` (HF ``repeat_kv`` order). Scores and softmax
+  run in float32; probabilities are cast to ``v.dtype`` for the value product.
+  """
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (h ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+  return out.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+  """The projections around :func:`attend`; the caller chooses the keys (fresh or cached)."""
+
+  def __init__(self, config: QwenConfig, *, rngs: nnx.Rngs):
+    c = config
+    d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    pd = c.param_dtype
+    self.dtype = c.dtype
+    self.rope_theta = c.rope_theta
+    self.q_proj = param(normal_init, rngs.params(), (d, n, h), pd, ("embed", "heads", "head_dim"))
+    self.k_proj = param(normal_init, rngs.params(), (d, k, h), pd,
+                        ("embed", "kv_heads", "head_dim"))
+    self.v_proj = param(normal_init, rngs.params(), (d, k, h), pd,
+                        ("embed", "kv_heads", "head_dim"))
+    self.o_proj = param(normal_init, rngs.params(), (n, h, d), pd, ("heads", "head_dim", "embed"))
+    zeros = nnx.initializers.zeros_init()
+    if c.attention_bias:
+      self.q_bias = param(zeros, rngs.params(), (n, h), pd, ("heads", "head_dim"))
+      self.k_bias = param(zeros, rngs.params(), (k, h), pd, ("kv_heads", "head_dim"))
+      self.v_bias = param(zeros, rngs.params(), (k, h), pd, ("kv_heads", "head_dim"))
+    if c.attention_out_bias:
+      self.o_bias = param(zeros, rngs.params(), (d,), pd, ("norm",))
+    if c.qk_norm:
+      self.q_norm = RMSNorm(h, c.rms_norm_eps, param_dtype=pd, rngs=rngs, axes=("head_dim",))
+      self.k_norm = RMSNorm(h, c.rms_norm_eps, param_dtype=pd, rngs=rngs, axes=("head_dim",))
+
+  def _proj(self, x: Array, name: str) -> Array:
+    out = jnp.einsum("btd,dnh->btnh", x, getattr(self, f"{name}_proj")[...].astype(self.dtype))
+    bias = getattr(self, f"{name}_bias", None)
+    return out if bias is None else out + bias[...].astype(self.dtype)
+
+  def qkv(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"]
+          ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
+    """Projections, then (Qwen3) per-head RMSNorm of q and k, then RoPE at ``positions``."""
+    x = x.astype(self.dtype)
+    q, k, v = self._proj(x, "q"), self._proj(x, "k"), self._proj(x, "v")
+    if hasattr(self, "q_norm"):
+      q, k = self.q_norm(q), self.k_norm(k)
+    return apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta), v
+
+  def out(self, o: Float[Array, "B T N H"]) -> Float[Array, "B T D"]:
+    """Output projection (and its bias when the config has one)."""
+    y = jnp.einsum("btnh,nhd->btd", o.astype(self.dtype), self.o_proj[...].astype(self.dtype))
+    bias = getattr(self, "o_bias", None)
+    return y if bias is None else y + bias[...].astype(self.dtype)

@@ -1,0 +1,187 @@
+"""Hugging Face checkpoints <-> the NNX decoder: :func:`load_hf` and :func:`save_hf`.
+
+Loading builds the model abstractly (``nnx.eval_shape``, no memory), checks every tensor name
+and shape against :mod:`rft_jax.models.hf_keys` from the safetensors headers, then streams the
+tensors one at a time: each is converted on the host, placed with its ``NamedSharding`` when a
+mesh is given, and written into its (stacked) parameter. Host memory holds one tensor at a time
+on top of the placed parameters. Saving walks the same table backwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from rft_jax.models import hf_keys, safetensors_io
+from rft_jax.models.config import QwenConfig
+from rft_jax.models.errors import CheckpointError
+from rft_jax.models.model import Qwen
+from rft_jax.parallel.sharding import DEFAULT_RULES, Rules, named_sharding, variable_axes
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+  shown = ", ".join(names[:limit])
+  return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def read_config(path: str | Path, **runtime) -> QwenConfig:
+  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat."""
+  path = Path(path)
+  file = path / CONFIG_FILE
+  if not file.is_file():
+    raise CheckpointError(f"{path}: no {CONFIG_FILE} (not a Hugging Face model directory?)")
+  return QwenConfig.from_hf_dict(json.loads(file.read_text()), **runtime)
+
+
+def abstract_model(config: QwenConfig) -> Qwen:
+  """The model with ``jax.ShapeDtypeStruct`` parameters: shapes and metadata, no memory."""
+  return nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0)))
+
+
+def _check_names_and_shapes(path: Path, config: QwenConfig, files: dict[str, Path],
+                            expected: dict[str, hf_keys.TensorSpec]) -> None:
+  missing = [n for n in expected if n not in files]
+  unexpected = sorted(hf_keys.describe_unexpected(n, config) for n in files
+                      if n not in expected and not hf_keys.is_ignored(n, config))
+  problems = []
+  if missing:
+    problems.append(f"missing {len(missing)} tensor(s) required by the {config.model_type} "
+                    f"config: {_listing(missing)}")
+  if unexpected:
+    problems.append(f"{len(unexpected)} unexpected tensor(s): {_listing(unexpected)}")
+  if problems:
+    raise CheckpointError(f"{path}: " + "; ".join(problems))
+  headers = {f: safetensors_io.read_header(f) for f in sorted(set(files[n] for n in expected))}
+  absent = [f"{n} (in {files[n].name})" for n in expected if n not in headers[files[n]]]
+  if absent:
+    raise CheckpointError(f"{path}: the index lists tensor(s) its shard files do not hold: "
+                          f"{_listing(absent)}")
+  bad = [f"{n}: expected shape {s.hf_shape}, found {headers[files[n]][n].shape}"
+         for n, s in expected.items() if headers[files[n]][n].shape != s.hf_shape]
+  if bad:
+    raise CheckpointError(f"{path}: shape mismatch: " + "; ".join(bad))
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> Any:
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _set_row(sharding) -> Any:
+  return jax.jit(lambda buf, row, i: jax.lax.dynamic_update_index_in_dim(buf, row, i, 0),
+                 donate_argnums=0, out_shardings=sharding)
+
+
+def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
+            mesh: Mesh | None = None, rules: Rules | None = None, remat: bool = False) -> Qwen:
+  """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face checkpoint directory.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors.
+    dtype: compute dtype; param_dtype: storage dtype of the parameters.
+    mesh: place every parameter with its ``NamedSharding`` on this mesh (default: one device).
+    rules: logical-axis rules (default :data:`rft_jax.parallel.DEFAULT_RULES`).
+    remat: rematerialise each layer in the backward pass.
+
+  Raises:
+    CheckpointError: no config / no weights, unsupported config, missing or unexpected tensor
+      names (listed), shape mismatches (name, expected and found shapes).
+  """
+  path = Path(path)
+  config = read_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  files = safetensors_io.weight_map(path)
+  expected = hf_keys.expected_tensors(config)
+  _check_names_and_shapes(path, config, files, expected)
+
+  graphdef, abstract = nnx.split(abstract_model(config))
+  variables = dict(nnx.to_flat_state(abstract))
+  rules = DEFAULT_RULES if rules is None else rules
+  device = SingleDeviceSharding(jax.devices()[0])
+
+  def sharding_of(var: nnx.Variable) -> NamedSharding | SingleDeviceSharding:
+    if mesh is None:
+      return device
+    return named_sharding(variable_axes(var), var.get_value().shape, mesh, rules)
+
+  values: dict[tuple[str, ...], jax.Array] = {}
+
+  def consume(name: str, x: np.ndarray) -> None:
+    spec = expected[name]
+    var = variables[spec.rule.nnx]
+    target = var.get_value()
+    sharding = sharding_of(var)
+    if spec.layer is None:
+      y = hf_keys.to_nnx(x, spec, target.shape).astype(target.dtype, copy=False)
+      values[spec.rule.nnx] = jax.device_put(y, sharding)
+      return
+    y = hf_keys.to_nnx(x, spec, target.shape[1:]).astype(target.dtype, copy=False)
+    row_sharding = (device if mesh is None
+                    else NamedSharding(mesh, PartitionSpec(*sharding.spec[1:])))
+    buf = values.get(spec.rule.nnx)
+    if buf is None:
+      buf = _zeros(target.shape, target.dtype, sharding)()
+    values[spec.rule.nnx] = _set_row(sharding)(buf, jax.device_put(y, row_sharding), spec.layer)
+
+  by_file: dict[Path, list[str]] = {}
+  for name in expected:
+    by_file.setdefault(files[name], []).append(name)
+  safetensors_io.read_tensors(by_file, consume)
+  state = nnx.from_flat_state([(p, v.replace(values[p])) for p, v in variables.items()])
+  return nnx.merge(graphdef, state)
+
+
+def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            tokenizer: Any = None) -> Path:
+  """Writes ``model`` as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
+
+  Writes ``config.json``, ``generation_config.json`` and safetensors in the parameter dtype
+  (split into shards of at most ``max_shard_bytes`` with an index when larger); a tied model
+  has no ``lm_head.weight``. ``tokenizer`` (optional) is saved alongside.
+
+  Raises:
+    CheckpointError: the model holds parameters the key table does not know.
+  """
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  config: QwenConfig = model.config
+  variables = dict(nnx.to_flat_state(nnx.state(model)))
+  expected = hf_keys.expected_tensors(config)
+  unmapped = sorted(".".join(map(str, p)) for p in variables
+                    if p not in {s.rule.nnx for s in expected.values()})
+  if unmapped:
+    raise CheckpointError(f"save_hf: parameters with no Hugging Face name: {unmapped}")
+
+  def fetch(name: str) -> np.ndarray:
+    spec = expected[name]
+    array = variables[spec.rule.nnx].get_value()
+    if spec.layer is not None:
+      array = array[spec.layer]
+    return hf_keys.to_hf(np.asarray(jax.device_get(array)), spec)
+
+  sizes = {name: math.prod(s.hf_shape) * variables[s.rule.nnx].get_value().dtype.itemsize
+           for name, s in expected.items()}
+  safetensors_io.write_sharded(path, sizes, fetch, max_shard_bytes)
+  hf_config = config.to_hf_dict()
+  # The dtype of the tensors as written (a model may have been cast after it was built).
+  hf_config["dtype"] = hf_config["torch_dtype"] = variables[("embed_tokens",)].get_value().dtype.name
+  (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+  generation = {"bos_token_id": hf_config["bos_token_id"],
+                "eos_token_id": hf_config["eos_token_id"]}
+  (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+  if tokenizer is not None:
+    tokenizer.save_pretrained(str(path))
+  return path

@@ -1,0 +1,105 @@
+"""KV-cache decoding equals the full forward at every step (flax gemma ``test_forward_no_cache``)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_fixtures import make_tiny_qwen
+from rft_jax.models import KVCache, load_hf
+
+LENGTHS = (6, 3, 1)
+STEPS = 5
+MAX_LEN = 16
+
+
+def left_padded_batch(lengths=LENGTHS, vocab=128, seed=0):
+  t = max(lengths)
+  rng = np.random.default_rng(seed)
+  mask = (np.arange(t)[None] >= (t - np.asarray(lengths))[:, None]).astype(np.int32)
+  return rng.integers(1, vocab, (len(lengths), t)) * mask, mask
+
+
+@pytest.fixture(scope="module", params=[("qwen2", False, 2), ("qwen3", True, 1),
+                                        ("qwen3", False, 4)],
+                ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}-kv{p[2]}")
+def model(request, tmp_path_factory):
+  family, tie, kv = request.param
+  return load_hf(make_tiny_qwen(tmp_path_factory.mktemp("ckpt"), family, tie=tie, kv_heads=kv))
+
+
+_forward = nnx.jit(lambda m, ids, mask: m(ids, mask))
+_prefill = nnx.jit(lambda m, ids, mask, cache: m.prefill(ids, mask, cache))
+_decode = nnx.jit(lambda m, tokens, cache: m.decode_step(tokens, cache), donate_argnums=2)
+
+
+def _reference(model, prompt, mask, tokens):
+  """Full-forward logits of the prompt plus ``tokens`` at the last prompt position and after."""
+  ids = np.concatenate([prompt, tokens], axis=1)
+  full_mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
+  logits = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(full_mask)))
+  return logits[:, prompt.shape[1] - 1:]  # [B, STEPS + 1, V]
+
+
+def test_prefill_then_decode_equals_full_forward(model):
+  prompt, mask = left_padded_batch()
+  tokens = np.random.default_rng(1).integers(1, 128, (len(LENGTHS), STEPS))
+  expected = _reference(model, prompt, mask, tokens)
+  cache = model.init_cache(len(LENGTHS), MAX_LEN)
+  logits, cache = _prefill(model, jnp.asarray(prompt), jnp.asarray(mask), cache)
+  diffs = [float(np.abs(logits - expected[:, 0]).max())]
+  for step in range(STEPS):
+    logits, cache = _decode(model, jnp.asarray(tokens[:, step]), cache)
+    diffs.append(float(np.abs(logits - expected[:, step + 1]).max()))
+  print(f"\n[cache vs full forward] max |diff| per step: {['%.1e' % d for d in diffs]}")
+  assert max(diffs) <= 1e-5
+  assert int(cache.index) == prompt.shape[1] + STEPS
+  np.testing.assert_array_equal(cache.positions, np.asarray(LENGTHS) + STEPS)
+  np.testing.assert_array_equal(cache.slot_mask[:, :prompt.shape[1]], mask.astype(bool))
+  assert not np.asarray(cache.slot_mask[:, prompt.shape[1] + STEPS:]).any()
+
+
+def test_split_merge_jax_jit_and_while_loop_carry(tmp_path):
+  """The cache is a plain pytree: jax.jit over (graphdef, state) and a while_loop carry work."""
+  model = load_hf(make_tiny_qwen(tmp_path, "qwen3", tie=True, kv_heads=1))
+  graphdef, state = nnx.split(model)
+  prompt, mask = left_padded_batch()
+  batch = len(LENGTHS)
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def greedy(state, cache, prompt, mask):
+    m = nnx.merge(graphdef, state)
+    logits, cache = m.prefill(prompt, mask, cache)
+
+    def body(carry):
+      i, logits, cache, out = carry
+      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      logits, cache = m.decode_step(token, cache)
+      return i + 1, logits, cache, out.at[:, i].set(token)
+
+    out = jnp.zeros((batch, STEPS), jnp.int32)
+    _, _, cache, out = jax.lax.while_loop(lambda c: c[0] < STEPS, body,
+                                          (0, logits, cache, out))
+    return out, cache
+
+  cache = model.init_cache(batch, MAX_LEN)
+  assert isinstance(cache, KVCache)
+  tokens, cache = greedy(state, cache, jnp.asarray(prompt), jnp.asarray(mask))
+  assert int(cache.index) == prompt.shape[1] + STEPS
+  # Each greedy token is the argmax of the full forward over the prompt and earlier tokens.
+  expected = _reference(model, prompt, mask, np.asarray(tokens))
+  np.testing.assert_array_equal(expected[:, :STEPS].argmax(-1), tokens)
+
+
+def test_cache_shapes_and_dtype(model):
+  c = model.config
+  cache = model.init_cache(2, 8, dtype=jnp.bfloat16)
+  assert cache.k.shape == (c.num_hidden_layers, 2, 8, c.num_key_value_heads, c.head_dim)
+  assert cache.k.dtype == jnp.bfloat16 and cache.max_len == 8
+  with pytest.raises(ValueError, match="exceed the cache length 8"):
+    model.prefill(jnp.ones((2, 9), jnp.int32), jnp.ones((2, 9), jnp.int32), cache)
