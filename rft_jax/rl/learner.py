@@ -1,0 +1,305 @@
+r"""The GRPO learner: one compiled train step over a batch of rollouts.
+
+A step, all inside one ``jax.jit`` with explicit shardings:
+
+1. **Pre-update pass** (no gradient), micro-batch by micro-batch: per-token
+   :math:`\log p`, :math:`H`, :math:`S_*`, :math:`\mathbb{E}_p[S]` under
+   :math:`\mathrm{softmax}(z/T)` (``token_stats`` on hidden states, chunked over
+   positions). They give the old log-probs of the ratio, the metrics, the Corollary 4
+   forecast and the entropy mask.
+2. **Entropy mask** (Clip_B / Clip_V / sign) on the *whole batch*, multiplied into the
+   loss mask, so masked tokens leave numerator and denominator.
+3. **Updates**: ``ppo_epochs`` x ``mini_batches`` optimizer steps; each accumulates the
+   gradients of its micro-batches (normalised by the mini-batch's global token /
+   sequence counts, so accumulation is exact), clips the global norm and applies AdamW.
+   On the very first update the parameters are those of the pre-update pass, and the
+   old log-probs are taken from the same forward pass (stop-gradient): the ratio is
+   exactly 1.
+
+Batches are split into micro-batches by striding rows (micro-batch ``i`` holds rows
+``i, i + n, ...``) so that each micro-batch stays spread over the data-parallel devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rft_jax.entropy import (
+    batch_entropy_change,
+    clip_b_mask,
+    clip_v_mask,
+    discriminator_sign_mask,
+    masked_mean,
+    token_stats,
+)
+from rft_jax.rl.config import LearnerConfig
+from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
+
+
+@flax.struct.dataclass
+class LearnerBatch:
+  """Rollouts as the learner sees them; token arrays are aligned with ``input_ids``.
+
+  Attributes:
+    input_ids: ``[B, L]`` prompt (left-padded) followed by completion (right-padded).
+    attention_mask: ``[B, L]`` 1 on real tokens.
+    response_mask: ``[B, L]`` 1 on completion tokens that count in the loss.
+    advantages: ``[B]`` one advantage per completion.
+    sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token.
+    ref_logp: optional ``[B, L]`` log-probs under the reference policy (KL term).
+  """
+
+  input_ids: jax.Array
+  attention_mask: jax.Array
+  response_mask: jax.Array
+  advantages: jax.Array
+  sampler_logp: jax.Array
+  ref_logp: Optional[jax.Array] = None
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes during training: the one place state lives."""
+
+  params: Any
+  opt_state: Any
+  step: jax.Array  # train steps (batches) done
+
+
+def split_rows(x: jax.Array, n: int) -> jax.Array:
+  """``[B, ...] -> [n, B // n, ...]``, part ``i`` holding rows ``i, i + n, ...``."""
+  return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+
+def merge_rows(x: jax.Array) -> jax.Array:
+  """Inverse of :func:`split_rows`."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def make_optimizer(config: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW (betas b1, b2, decoupled weight decay) with optional global-norm clipping."""
+  if config.schedule == "constant":
+    schedule = optax.constant_schedule(config.lr)
+  else:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, max(config.warmup_steps, 1), max(config.total_steps, config.warmup_steps + 1))
+  adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay)
+  if config.max_grad_norm is None:
+    return adamw, schedule
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw), schedule
+
+
+def entropy_keep_mask(config: LearnerConfig, s_star, centered, advantages, mask) -> jax.Array:
+  """The configured entropy-discriminator keep-mask over the whole batch."""
+  m = config.entropy_mask
+  if m.kind == "none":
+    return jnp.ones(mask.shape, bool)
+  if m.kind == "clip_b":
+    return clip_b_mask(s_star, advantages, mask, mu_low=m.resolved_mu_low, mu_high=m.mu_high,
+                       samples=m.samples)
+  if m.kind == "clip_v":
+    return clip_v_mask(centered, advantages, mask, mu_low=m.resolved_mu_low, mu_high=m.mu_high,
+                       samples=m.samples, max_frac=m.resolved_max_frac)
+  return discriminator_sign_mask(s_star, advantages, sign=m.sign, action=m.action, samples=m.samples)
+
+
+class Learner:
+  """Compiles and runs the GRPO train step for one model architecture and config.
+
+  The learner holds no training state: :meth:`init` returns a :class:`TrainState` and
+  :meth:`step` maps a state and a batch to the next state and the step's metrics.
+  """
+
+  def __init__(self, model: nnx.Module, config: LearnerConfig, *, mesh: Mesh | None = None,
+               data_axis: str = "data"):
+    self.config = config
+    self.mesh = mesh
+    self.data_axis = data_axis
+    self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
+    self.optimizer, self.schedule = make_optimizer(config)
+    self._train_step = jax.jit(self._train_step_fn, donate_argnums=0)
+    self._mean_entropy = jax.jit(self._mean_entropy_fn)
+
+  # ---------------------------------------------------------------------------------------
+  # State.
+
+  def init(self, model: nnx.Module) -> TrainState:
+    """A fresh train state holding ``model``'s parameter arrays (in place, with their shardings).
+
+    The state owns those arrays from now on: :meth:`step` donates them, so use
+    :meth:`model` (not the ``model`` passed here) after the first step.
+    """
+    params = nnx.state(model, nnx.Param)
+    opt_state = jax.jit(self.optimizer.init)(params)
+    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+
+  def model(self, state: TrainState) -> nnx.Module:
+    """The model with ``state``'s parameters (no copy): what the sampler runs."""
+    return nnx.merge(self.graphdef, state.params, self._rest)
+
+  # ---------------------------------------------------------------------------------------
+  # Pieces of the step.
+
+  def _shard_batch(self, x):
+    if self.mesh is None or x is None:
+      return x
+    spec = PartitionSpec(None, self.data_axis) if x.ndim >= 2 else PartitionSpec(self.data_axis)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def _token_stats(self, params, input_ids, attention_mask, entropy_grad=False):
+    """Stats of every next-token position ``[b, L-1]`` (position t predicts token t+1)."""
+    model = nnx.merge(self.graphdef, params, self._rest)
+    hidden = model(input_ids, attention_mask, return_hidden=True)
+    return token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
+                       temperature=self.config.temperature, chunk_size=self.config.stats_chunk_size,
+                       entropy_grad=entropy_grad)
+
+  def _micro_batches(self, batch_size: int) -> int:
+    if batch_size % self.config.micro_batch_size:
+      raise ValueError(f"batch of {batch_size} sequences does not split into micro-batches of "
+                       f"learner.micro_batch_size={self.config.micro_batch_size}")
+    return batch_size // self.config.micro_batch_size
+
+  def batch_stats(self, params, batch: LearnerBatch):
+    """``token_stats`` of every next-token position of ``batch`` (``[B, L-1]``), micro-batch by micro-batch."""
+    n = self._micro_batches(batch.input_ids.shape[0])
+    ids, attn = (self._shard_batch(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
+    stats = jax.lax.map(lambda xs: self._token_stats(params, *xs), (ids, attn))
+    return jax.tree.map(merge_rows, stats)
+
+  def _micro_loss(self, params, micro, normaliser, first_update):
+    c = self.config
+    stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
+                              entropy_grad=c.entropy_coef > 0)
+    old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
+    mask = micro["loss_mask"]
+    terms = ppo_clipped_loss(stats.logp, old_logp, micro["advantages"], eps_low=c.eps_low,
+                             eps_high=c.eps_high, dual_clip=c.dual_clip)
+    loss = aggregate_loss(terms.loss, mask, c.loss_agg, normaliser)
+    if c.kl_coef > 0:
+      loss += c.kl_coef * aggregate_loss(kl_penalty(stats.logp, micro["ref_logp"], c.kl_estimator),
+                                         mask, c.loss_agg, normaliser)
+    if c.entropy_coef > 0:
+      loss -= c.entropy_coef * aggregate_loss(stats.entropy, mask, c.loss_agg, normaliser)
+    valid = mask > 0
+    counts = {
+        "clipped_low": jnp.sum(terms.clipped_low & valid),
+        "clipped_high": jnp.sum(terms.clipped_high & valid),
+        "clipped_dual": jnp.sum(terms.clipped_dual & valid),
+        "ratio_dev_max": jnp.max(jnp.where(valid, jnp.abs(terms.ratio - 1.0), 0.0)),
+    }
+    return loss, counts
+
+  def _update(self, state: TrainState, mini: dict, first_update: bool):
+    """One optimizer step on a mini-batch, accumulating over its micro-batches."""
+    n = self._micro_batches(mini["input_ids"].shape[0])
+    normaliser = loss_normaliser(mini["loss_mask"], self.config.max_len)
+    micros = {k: self._shard_batch(split_rows(v, n)) for k, v in mini.items()}
+    grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+
+    def accumulate(carry, micro):
+      grads, loss, counts = carry
+      (micro_loss, micro_counts), micro_grads = grad_fn(state.params, micro, normaliser, first_update)
+      counts = {k: jnp.maximum(counts[k], v) if k == "ratio_dev_max" else counts[k] + v
+                for k, v in micro_counts.items()}
+      return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), None
+
+    zero_counts = {"clipped_low": 0, "clipped_high": 0, "clipped_dual": 0, "ratio_dev_max": 0.0}
+    zero_counts = {k: jnp.asarray(v, jnp.float32 if k == "ratio_dev_max" else jnp.int32)
+                   for k, v in zero_counts.items()}
+    init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zero_counts)
+    (grads, loss, counts), _ = jax.lax.scan(accumulate, init, micros)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return TrainState(params=params, opt_state=opt_state, step=state.step), loss, grad_norm, counts
+
+  # ---------------------------------------------------------------------------------------
+  # The compiled step.
+
+  def _train_step_fn(self, state: TrainState, batch: LearnerBatch):
+    c = self.config
+    stats = self.batch_stats(state.params, batch)
+    response = batch.response_mask[:, 1:].astype(jnp.float32) * batch.attention_mask[:, 1:]
+    advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
+    keep = entropy_keep_mask(c, stats.s_star, stats.centered, advantages, response)
+    loss_mask = response * keep
+    per_token = {
+        "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+        "loss_mask": loss_mask, "advantages": advantages, "old_logp": stats.logp,
+    }
+    if c.kl_coef > 0:
+      if batch.ref_logp is None:
+        raise ValueError("learner.kl_coef > 0 needs batch.ref_logp (reference log-probs)")
+      per_token["ref_logp"] = batch.ref_logp[:, 1:]
+
+    lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
+    losses, grad_norms = [], []
+    counts = None
+    updates_done = 0
+    for _ in range(c.ppo_epochs):
+      minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
+      for i in range(c.mini_batches):
+        mini = {k: v[i] for k, v in minis.items()}
+        state, loss, grad_norm, mini_counts = self._update(state, mini, first_update=updates_done == 0)
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        counts = mini_counts if counts is None else {
+            k: jnp.maximum(counts[k], v) if k == "ratio_dev_max" else counts[k] + v
+            for k, v in mini_counts.items()}
+        updates_done += 1
+
+    valid = response > 0
+    n_loss_tokens = jnp.maximum(jnp.sum(loss_mask) * updates_done, 1.0)
+    positive, negative = valid & (advantages > 0), valid & (advantages < 0)
+    masked = valid & ~keep
+    metrics = {
+        "loss": jnp.mean(jnp.stack(losses)),
+        "grad_norm": jnp.mean(jnp.stack(grad_norms)),
+        "lr": lr,
+        "entropy": masked_mean(stats.entropy, valid),
+        "s_star_mean": masked_mean(stats.s_star, valid),
+        "s_centered_mean": masked_mean(stats.centered, valid),
+        "clip_frac_low": counts["clipped_low"] / n_loss_tokens,
+        "clip_frac_high": counts["clipped_high"] / n_loss_tokens,
+        "clip_frac_dual": counts["clipped_dual"] / n_loss_tokens,
+        "ratio_dev_max": counts["ratio_dev_max"],
+        "mask_frac": jnp.sum(masked) / jnp.maximum(jnp.sum(valid), 1),
+        "mask_frac_positive": jnp.sum(masked & positive) / jnp.maximum(jnp.sum(positive), 1),
+        "mask_frac_negative": jnp.sum(masked & negative) / jnp.maximum(jnp.sum(negative), 1),
+        "entropy_change_forecast": batch_entropy_change(advantages, stats.centered, loss_mask, lr),
+        "logp_mismatch": masked_mean(jnp.abs(batch.sampler_logp[:, 1:] - stats.logp), valid),
+        "response_tokens": jnp.sum(valid),
+    }
+    if batch.ref_logp is not None:
+      metrics["kl"] = masked_mean(kl_penalty(stats.logp, batch.ref_logp[:, 1:], c.kl_estimator), valid)
+    return state.replace(step=state.step + 1), metrics
+
+  def _mean_entropy_fn(self, params, batch: LearnerBatch):
+    stats = self.batch_stats(params, batch)
+    valid = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
+    return masked_mean(stats.entropy, valid)
+
+  def step(self, state: TrainState, batch: LearnerBatch) -> tuple[TrainState, dict[str, float]]:
+    """One train step. ``state`` is donated: use the returned state afterwards.
+
+    Every ``forecast_every`` steps the entropy of the updated policy on the same batch is
+    measured (one more forward pass) next to the first-order forecast.
+    """
+    measure = self.config.forecast_every > 0 and int(state.step) % self.config.forecast_every == 0
+    new_state, metrics = self._train_step(state, batch)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    if measure:
+      metrics["entropy_change_measured"] = float(self._mean_entropy(new_state.params, batch)) - metrics["entropy"]
+    return new_state, metrics
+
+  def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:
+    """Token-mean entropy of the policy on ``batch``'s response tokens."""
+    return float(self._mean_entropy(state.params, batch))
