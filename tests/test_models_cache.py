@@ -1,4 +1,5 @@
-"""KV-cache decoding equals the full forward at every step (flax gemma ``test_forward_no_cache``)."""
+"""KV-cache decoding equals the full forward at every step (as flax gemma's
+``test_forward_no_cache``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,8 +129,9 @@ def test_error_missing_tensor_lists_its_name(ckpt, tmp_path):
 
 def test_error_unexpected_tensor_lists_its_name(ckpt, tmp_path):
   path = _copy(ckpt, tmp_path)
-  _edit_tensors(path, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32),
-                                          "model.layers.7.mlp.up_proj.weight": np.zeros(3, np.float32)}))
+  extra = {"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32),
+           "model.layers.7.mlp.up_proj.weight": np.zeros(3, np.float32)}
+  _edit_tensors(path, lambda t: t.update(extra))
   with pytest.raises(CheckpointError, match=r"2 unexpected tensor.*model\.layers\.0\.mlp\.extra"
                                             r"\.weight, model\.layers\.7\.mlp\.up_proj\.weight "
                                             r"\(layer 7 >= num_hidden_layers=2\)"):

@@ -68,6 +68,8 @@ def test_load_onto_mesh_shards_parameters_and_keeps_logits(ckpt, data, model, ex
   ref = np.asarray(_forward(single, ids, mask))
   out = _forward(sharded, ids, mask)
   np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=1e-5)
+  if (data, model) != (4, 2):
+    return
   # The cache path on the mesh, with the cache sharded by its logical axes.
   cache = sharded.init_cache(ids.shape[0], 8)
   cache = jax.device_put(cache, tree_shardings(cache, KVCache.logical_axes(), mesh))

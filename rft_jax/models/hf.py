@@ -177,7 +177,8 @@ def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX
   safetensors_io.write_sharded(path, sizes, fetch, max_shard_bytes)
   hf_config = config.to_hf_dict()
   # The dtype of the tensors as written (a model may have been cast after it was built).
-  hf_config["dtype"] = hf_config["torch_dtype"] = variables[("embed_tokens",)].get_value().dtype.name
+  written = variables[("embed_tokens",)].get_value().dtype.name
+  hf_config["dtype"] = hf_config["torch_dtype"] = written
   (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
   generation = {"bos_token_id": hf_config["bos_token_id"],
                 "eos_token_id": hf_config["eos_token_id"]}

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import struct
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np

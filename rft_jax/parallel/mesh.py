@@ -27,7 +27,8 @@ def make_mesh(data: int | None = None, model: int = 1,
     if model < 1 or len(devices) % model:
       raise ValueError(f"make_mesh: model={model} does not divide the {len(devices)} devices")
     data = len(devices) // model
-  if data < 1 or model < 1 or data * model > len(devices) or (explicit and data * model != len(devices)):
+  size = data * model
+  if data < 1 or model < 1 or size > len(devices) or (explicit and size != len(devices)):
     raise ValueError(
         f"make_mesh: data={data} x model={model} = {data * model} devices, but "
         f"{len(devices)} {'were given' if explicit else 'are available'}")
