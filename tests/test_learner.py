@@ -119,6 +119,7 @@ def test_training_lowers_the_loss_and_clip_b_slows_entropy_collapse():
       state, metrics = learner.step(state, batch)
       masked.append(metrics["mask_frac_negative"])
     losses.append(float(surrogate(state.params)))
+    assert learner._train_step._cache_size() == 1  # six steps, one compiled program
     drops[kind] = start - learner.mean_entropy(state, batch)
     assert losses[-1] < losses[0]
     if kind == "clip_b":
@@ -150,7 +151,9 @@ def test_sharded_step_equals_single_device():
   state = learner.init(sharded_model)
   assert any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
              for x in jax.tree.leaves(state.params))
+  layout = [x.sharding for x in jax.tree.leaves(state.params)]
   s2, m2 = learner.step(state, batch)
+  assert [x.sharding for x in jax.tree.leaves(s2.params)] == layout  # explicit out_shardings
   for k in ("loss", "grad_norm", "entropy", "entropy_change_forecast"):
     assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-7), k
   for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):

@@ -124,7 +124,7 @@ class Learner:
     self.data_axis = data_axis
     self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
     self.optimizer, self.schedule = make_optimizer(config)
-    self._train_step = jax.jit(self._train_step_fn, donate_argnums=0)
+    self._train_step = None  # compiled on the first step, with the state's shardings
     self._mean_entropy = jax.jit(self._mean_entropy_fn)
 
   # ---------------------------------------------------------------------------------------
@@ -138,7 +138,12 @@ class Learner:
     """
     params = nnx.state(model, nnx.Param)
     opt_state = jax.jit(self.optimizer.init)(params)
-    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+    if self.mesh is not None:  # anything not laid out on the mesh (counters) is replicated
+      replicated = NamedSharding(self.mesh, PartitionSpec())
+      state = jax.device_put(state, jax.tree.map(
+          lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, state))
+    return state
 
   def model(self, state: TrainState) -> nnx.Module:
     """The model with ``state``'s parameters (no copy): what the sampler runs."""
@@ -287,6 +292,20 @@ class Learner:
     valid = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
     return masked_mean(stats.entropy, valid)
 
+  def _compile(self, state: TrainState, batch: LearnerBatch):
+    """``jax.jit`` of the step with explicit shardings when a mesh is given: the state keeps
+    the layout it has (parameters as placed by ``rft_jax.parallel``), batch rows are split
+    over the data axis and metrics are replicated."""
+    if self.mesh is None:
+      return jax.jit(self._train_step_fn, donate_argnums=0)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+    batch_shardings = jax.tree.map(lambda _: rows, batch)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    return jax.jit(self._train_step_fn, donate_argnums=0,
+                   in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, replicated))
+
   def step(self, state: TrainState, batch: LearnerBatch) -> tuple[TrainState, dict[str, float]]:
     """One train step. ``state`` is donated: use the returned state afterwards.
 
@@ -294,6 +313,8 @@ class Learner:
     measured (one more forward pass) next to the first-order forecast.
     """
     measure = self.config.forecast_every > 0 and int(state.step) % self.config.forecast_every == 0
+    if self._train_step is None:
+      self._train_step = self._compile(state, batch)
     new_state, metrics = self._train_step(state, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
     if measure:
