@@ -1,6 +1,9 @@
 r"""Entropy and the entropy discriminator of a softmax policy.
 
-Notation of arXiv 2602.03392, Section 3. At one position the policy has logits
+Notation of arXiv 2602.03392, Section 3. Results are cited as Lemma 1, Theorems 1-2 and
+Corollaries 1-4 (the arXiv text numbers them within Section 3: Lemma 3.1, Theorems 3.2 and
+3.3, ...); the clipping algorithms as Algorithm 1 / Eq. 15 (Clip_B) and Algorithm 2 / Eq. 16
+(Clip_V). At one position the policy has logits
 :math:`z \in \mathbb{R}^V`, probabilities :math:`p = \mathrm{softmax}(z)` and entropy
 :math:`H = -\sum_i p_i \log p_i`. The *entropy discriminator* of vocabulary entry
 :math:`i` is
@@ -101,7 +104,7 @@ def entropy(logits: Float[Array, "... V"]) -> Float[Array, "..."]:
 
 
 def discriminator(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
-  r"""Entropy discriminator of every vocabulary entry (arXiv 2602.03392, Eq. 5).
+  r"""Entropy discriminator of every vocabulary entry (arXiv 2602.03392, Section 3).
 
   .. math::  S_i = p_i \, (H + \log p_i).
 
@@ -123,7 +126,7 @@ def discriminator(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
 def token_discriminator(
     logits: Float[Array, "... V"], tokens: Int[Array, "..."]
 ) -> Float[Array, "..."]:
-  r"""The discriminator of the sampled token, :math:`S_* = S_k` (Eq. 5).
+  r"""The discriminator of the sampled token, :math:`S_* = S_k` (Theorem 1).
 
   Args:
     logits: ``[..., V]`` logits.
@@ -141,7 +144,7 @@ def expected_discriminator(logits: Float[Array, "... V"]) -> Float[Array, "..."]
 
   .. math::  \mathbb{E}_p[S] = \sum_i p_i S_i = \sum_i p_i^2 (H + \log p_i).
 
-  It is the baseline that a GRPO step subtracts from :math:`S_*` (Theorem 2, Eq. 9).
+  It is the baseline that a GRPO step subtracts from :math:`S_*` (Theorem 2).
 
   Args:
     logits: ``[..., V]`` logits.
