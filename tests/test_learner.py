@@ -170,3 +170,42 @@ def test_bad_batch_and_config_are_named():
     config(loss_agg="token_mean")
   with pytest.raises(ValueError, match="entropy_mask.kind='clipb'"):
     EntropyMaskConfig(kind="clipb")
+
+
+def test_entropy_bonus_raises_entropy():
+  """With zero advantages only the bonus -coef * H drives the update: entropy rises."""
+  model = tiny_model(seed=2)
+  batch, _ = synthetic_batch(model, seed=2)
+  batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
+  learner = Learner(model, config(entropy_coef=1.0, lr=1e-2, forecast_every=0))
+  state = learner.init(model)
+  start = learner.mean_entropy(state, batch)
+  for _ in range(3):
+    state, _ = learner.step(state, batch)
+  assert learner.mean_entropy(state, batch) > start + 1e-3
+
+
+def test_kl_to_reference_and_warmup_cosine_schedule():
+  import optax
+  from rft_jax.entropy import masked_mean
+  from rft_jax.rl.losses import kl_penalty
+
+  model = tiny_model(seed=3)
+  batch, _ = synthetic_batch(model, seed=3)
+  noise = 0.3 * jax.random.normal(jax.random.key(5), batch.sampler_logp.shape)
+  batch = batch.replace(ref_logp=batch.sampler_logp + noise * batch.response_mask)
+  learner = Learner(model, config(kl_coef=0.5, kl_estimator="k3", schedule="warmup_cosine",
+                                  warmup_steps=2, total_steps=6, lr=1e-3, forecast_every=0))
+  state = learner.init(model)
+  valid = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
+  want_kl = float(masked_mean(kl_penalty(learner.batch_stats(state.params, batch).logp,
+                                         batch.ref_logp[:, 1:], "k3"), valid))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 6)
+  for step in range(3):
+    state, metrics = learner.step(state, batch)
+    assert metrics["lr"] == pytest.approx(float(schedule(step)), abs=1e-12)
+    if step == 0:
+      assert metrics["kl"] == pytest.approx(want_kl, rel=1e-4) and want_kl > 0.01
+  with pytest.raises(ValueError, match="needs batch.ref_logp"):
+    learner2 = Learner(tiny_model(seed=3), config(kl_coef=0.5))
+    learner2.step(learner2.init(tiny_model(seed=3)), batch.replace(ref_logp=None))
