@@ -1,0 +1,160 @@
+"""Math question/answer datasets from local files, in their published formats.
+
+Everything is read through ``datasets`` from local paths only (a ``.jsonl``/``.json``
+or ``.parquet`` file, or a directory written by ``Dataset.save_to_disk``); nothing is
+downloaded. Each row becomes a :class:`MathExample`. A row with a missing or empty
+question/answer is reported by its index and field and either skipped (counted, and
+listed in the returned :class:`LoadReport`) or fatal, per ``on_bad_row``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import datasets as hf_datasets
+
+
+class DatasetError(ValueError):
+  """A data file or row that cannot be used; the message names file, row and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MathExample:
+  """One problem: the question text, its ground-truth answer and a stable id."""
+
+  question: str
+  answer: str
+  id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFormat:
+  """Where a format keeps the question and the answer (dotted paths into a row)."""
+
+  question: str
+  answer: str
+  id: str | None = None
+
+
+# Published formats. DAPO-Math-17k in its processed form (one question / one solution
+# column), AIME 2024 (problem / answer, integer answers), AIME 2025 (same layout).
+FORMATS: dict[str, DatasetFormat] = {
+    "dapo_math_17k": DatasetFormat(question="prompt", answer="solution"),
+    "aime_2024": DatasetFormat(question="problem", answer="answer", id="id"),
+    "aime_2025": DatasetFormat(question="problem", answer="answer"),
+    "jsonl": DatasetFormat(question="question", answer="answer"),
+}
+
+
+def _read(path: str) -> hf_datasets.Dataset:
+  if not os.path.exists(path):
+    raise DatasetError(f"{path}: no such file or directory")
+  if os.path.isdir(path):
+    try:
+      data = hf_datasets.load_from_disk(path)
+    except FileNotFoundError as exc:
+      raise DatasetError(f"{path}: not a dataset saved with save_to_disk ({exc})") from exc
+    if isinstance(data, hf_datasets.DatasetDict):
+      if "train" not in data:
+        raise DatasetError(f"{path}: DatasetDict without a 'train' split (has {sorted(data)})")
+      data = data["train"]
+    return data
+  suffix = path.rsplit(".", 1)[-1].lower()
+  builder = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(suffix)
+  if builder is None:
+    raise DatasetError(f"{path}: unsupported file type '.{suffix}' (use .jsonl, .json, .parquet or a directory)")
+  try:
+    return hf_datasets.load_dataset(builder, data_files=path, split="train")
+  except Exception as exc:  # datasets raises several types for malformed files
+    raise DatasetError(f"{path}: could not be read as {builder}: {exc}") from exc
+
+
+def _field(row: dict[str, Any], dotted: str):
+  value: Any = row
+  for key in dotted.split("."):
+    if not isinstance(value, dict) or key not in value:
+      return None
+    value = value[key]
+  return value
+
+
+def _text(value) -> str | None:
+  """A question/answer value as text; chat-style lists keep their user turn."""
+  if isinstance(value, list) and value and isinstance(value[-1], dict) and "content" in value[-1]:
+    value = value[-1]["content"]
+  if value is None:
+    return None
+  text = str(value).strip()
+  return text or None
+
+
+@dataclasses.dataclass
+class LoadReport:
+  """What loading kept and what it skipped (row index, field, reason)."""
+
+  path: str
+  rows: int = 0
+  kept: int = 0
+  skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+
+
+def load_math_dataset(
+    path: str,
+    format: str = "jsonl",
+    *,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    on_bad_row: str = "error",
+) -> tuple[list[MathExample], LoadReport]:
+  """Loads ``path`` as :class:`MathExample` rows.
+
+  Args:
+    path: a ``.jsonl``/``.json``/``.parquet`` file or a ``save_to_disk`` directory.
+    format: a key of :data:`FORMATS`; ``question_field`` / ``answer_field`` (dotted
+      paths, e.g. ``reward_model.ground_truth``) override its columns.
+    on_bad_row: ``error`` (raise on the first missing/empty field) or ``skip``.
+  """
+  if format not in FORMATS:
+    raise DatasetError(f"unknown dataset format {format!r}; choose from {sorted(FORMATS)}")
+  if on_bad_row not in ("error", "skip"):
+    raise DatasetError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+  spec = FORMATS[format]
+  fields = {"question": question_field or spec.question, "answer": answer_field or spec.answer}
+  data = _read(path)
+  for name, column in fields.items():
+    if column.split(".")[0] not in data.column_names:
+      raise DatasetError(f"{path}: no column '{column.split('.')[0]}' for the {name} "
+                         f"(columns: {data.column_names}); set data.{name}_field")
+  report = LoadReport(path=path, rows=len(data))
+  examples = []
+  for index, row in enumerate(data):
+    values = {name: _text(_field(row, column)) for name, column in fields.items()}
+    missing = [name for name, value in values.items() if value is None]
+    if missing:
+      problem = (index, fields[missing[0]], "missing or empty")
+      if on_bad_row == "error":
+        raise DatasetError(f"{path}: row {index}: field '{fields[missing[0]]}' ({missing[0]}) is missing or empty")
+      report.skipped.append(problem)
+      continue
+    ident = _field(row, spec.id) if spec.id else None
+    examples.append(MathExample(values["question"], values["answer"], str(ident if ident is not None else index)))
+  report.kept = len(examples)
+  return examples, report
+
+
+def split_validation(examples: list[MathExample], size: int, seed: int) -> tuple[list[MathExample], list[MathExample]]:
+  """The paper's split: a deterministic ``size``-question validation set held out.
+
+  Returns ``(train, validation)``; the same ``seed`` and data give the same split.
+  """
+  import numpy as np
+
+  if size < 0 or size >= len(examples):
+    raise DatasetError(f"validation size {size} must be in [0, {len(examples)}) for {len(examples)} examples")
+  order = np.random.default_rng(seed).permutation(len(examples))
+  held = set(order[:size].tolist())
+  train = [e for i, e in enumerate(examples) if i not in held]
+  validation = [examples[i] for i in sorted(held)]
+  return train, validation
