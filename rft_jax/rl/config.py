@@ -90,7 +90,7 @@ class LearnerConfig:
     mini_batches: optimizer steps per batch of rollouts; ppo_epochs: passes.
     micro_batch_size: sequences per gradient-accumulation step (per mini-batch).
     temperature: sampling temperature T of the rollouts; every statistic and log p
-      is of softmax(z / T).
+      is of softmax(z / T). None: 1.0 standalone; in a run, taken from sampling.temperature.
     stats_chunk_size: positions per chunk of ``token_stats``.
     forecast_every: every this many steps, measure the entropy change of the update
       on the same batch (one extra forward pass; 0: never).
@@ -119,7 +119,7 @@ class LearnerConfig:
   mini_batches: int = 1
   ppo_epochs: int = 1
   micro_batch_size: int = 8
-  temperature: float = 1.0
+  temperature: Optional[float] = None
   stats_chunk_size: int = 512
   forecast_every: int = 0
 
@@ -130,7 +130,9 @@ class LearnerConfig:
     _choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
     _choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     _choice("learner.schedule", self.schedule, SCHEDULES)
-    for name in ("lr", "temperature", "mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size", "total_steps"):
+    if self.temperature is not None:
+      _positive("learner.temperature", self.temperature)
+    for name in ("lr", "mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size", "total_steps"):
       _positive(f"learner.{name}", getattr(self, name))
     for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "forecast_every"):
       _positive(f"learner.{name}", getattr(self, name), allow_zero=True)
@@ -138,3 +140,7 @@ class LearnerConfig:
       raise ValueError(f"learner.dual_clip must be > 1, got {self.dual_clip}")
     if self.max_grad_norm is not None:
       _positive("learner.max_grad_norm", self.max_grad_norm)
+
+  @property
+  def sampling_temperature(self) -> float:
+    return 1.0 if self.temperature is None else self.temperature

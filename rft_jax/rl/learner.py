@@ -163,7 +163,7 @@ class Learner:
     model = nnx.merge(self.graphdef, params, self._rest)
     hidden = model(input_ids, attention_mask, return_hidden=True)
     return token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
-                       temperature=self.config.temperature, chunk_size=self.config.stats_chunk_size,
+                       temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
                        entropy_grad=entropy_grad)
 
   def _micro_batches(self, batch_size: int) -> int:
