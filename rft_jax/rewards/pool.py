@@ -1,0 +1,339 @@
+r"""Worker processes that run one call each under a hard wall-clock limit.
+
+math-verify's own timeout is ``signal.alarm``: it only works in the main thread, and a
+sympy computation stuck in C code does not see the signal until it returns. A
+reward that hangs on ``9^{9^{9^{9}}}`` would stall training. Here every check runs in
+a worker process; a call still running ``timeout_s`` after it was handed to its
+worker is ended by ``SIGKILL`` and the worker is replaced.
+
+Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot kill one worker; killing
+its process breaks the executor and fails every pending future with
+``BrokenProcessPool``. Why not ``multiprocessing`` processes at all: with ``spawn`` or
+``forkserver`` (``fork`` is unsafe in a process holding JAX/XLA threads) every worker
+re-imports the parent's ``__main__`` -- a training script, with JAX -- and a script
+without an ``if __name__ == "__main__":`` guard fails. So each worker is a fresh
+interpreter (``subprocess``, ``python -c``) that imports only this module and the
+called function's module, talking over a socket pair with ``multiprocessing``'s
+pickling ``Connection``. Workers see ``CUDA_VISIBLE_DEVICES=""`` and
+``JAX_PLATFORMS=cpu``: they never touch an accelerator.
+
+A task's clock starts when it is handed to a ready worker (a worker is ready once its
+``initializer`` ran), so start-up time never counts against the limit. A replacement
+worker starts in the background (~1 s to import sympy) while the others go on.
+Outcomes come back in input order. ``map`` holds a lock: one batch at a time per pool,
+callable from any thread.
+
+Nothing here imports the rest of the project.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+_READY = "__ready__"
+_MAX_STARTUP_FAILURES = 3
+# The worker's whole command line: take the parent's sys.path, then serve.
+_BOOTSTRAP = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "conn = Connection(int(sys.argv[1]))\n"
+    "sys.path[:] = conn.recv()\n"
+    "from rft_jax.rewards.pool import _serve\n"
+    "_serve(conn, int(sys.argv[2]))\n"
+)
+
+
+class Outcome(NamedTuple):
+  """Result of one call: ``status`` is ``ok`` (``value`` is the return value),
+  ``timeout`` or ``error`` (``value`` names the exception or the worker's exit)."""
+
+  status: str
+  value: Any = None
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+  """End this worker when the parent dies, even if it is killed (no atexit runs).
+
+  On Linux, ``PR_SET_PDEATHSIG`` has the kernel send ``SIGKILL`` -- which also ends a
+  worker stuck in one long C call -- when the parent *thread* that started the worker
+  exits; workers are therefore started from one long-lived thread (:func:`_launch`).
+  A watchdog thread polling the parent pid is the fallback elsewhere.
+  """
+  import signal
+
+  if sys.platform.startswith("linux"):
+    try:
+      import ctypes
+
+      ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+      pass
+  if os.getppid() != parent_pid:
+    os._exit(0)
+
+  def watch():
+    while os.getppid() == parent_pid:
+      time.sleep(1.0)
+    os._exit(0)
+
+  threading.Thread(target=watch, daemon=True).start()
+
+
+def _serve(conn, parent_pid: int) -> None:
+  """Worker loop: set up, report ready, then receive ``(fn, args)`` and send back
+  ``(ok, value)`` until None or the parent goes away."""
+  import signal
+
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+  initializer, memory_limit_mb = conn.recv()
+  _exit_with_parent(parent_pid)
+  if memory_limit_mb is not None:
+    import resource
+
+    limit = int(memory_limit_mb) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+  if initializer is not None:
+    initializer()
+  conn.send(_READY)
+  while True:
+    try:
+      msg = conn.recv_bytes()
+    except (EOFError, OSError):
+      return
+    try:
+      task = pickle.loads(msg)  # here, so that a function it cannot import is an error
+      if task is None:
+        return
+      fn, args = task
+      conn.send((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, the worker lives on
+      # Only the type: str() of a sympy object in the exception can itself hang.
+      conn.send((False, type(e).__name__))
+
+
+_launcher: Optional[tuple[int, queue.SimpleQueue]] = None  # (pid, request queue)
+_launcher_lock = threading.Lock()
+
+
+def _launcher_loop(requests: queue.SimpleQueue) -> None:
+  while True:
+    start, future = requests.get()
+    try:
+      future.set_result(start())
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      future.set_exception(e)
+
+
+def _launch(cmd: list[str], **kwargs) -> subprocess.Popen:
+  """``subprocess.Popen`` run on one daemon thread that lives as long as the process,
+  so a worker's parent-death signal fires at process exit, not when the calling
+  thread ends (a daemon thread, unlike an executor's, is not joined at shutdown while
+  other threads may still use the pool)."""
+  global _launcher
+  with _launcher_lock:
+    if _launcher is None or _launcher[0] != os.getpid():  # none yet, or we are a fork
+      requests: queue.SimpleQueue = queue.SimpleQueue()
+      threading.Thread(target=_launcher_loop, args=(requests,), name="rft-pool-launcher", daemon=True).start()
+      _launcher = (os.getpid(), requests)
+  future: concurrent.futures.Future = concurrent.futures.Future()
+  _launcher[1].put((functools.partial(subprocess.Popen, cmd, **kwargs), future))
+  return future.result()
+
+
+def _worker_env() -> dict[str, str]:
+  env = dict(os.environ)
+  env.update(CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
+  return env
+
+
+class _Worker:
+  """One worker process and the parent's end of its socket."""
+
+  def __init__(self, initializer, memory_limit_mb):
+    parent, child = socket.socketpair()
+    with child:
+      self.process = _launch(
+          [sys.executable, "-c", _BOOTSTRAP, str(child.fileno()), str(os.getpid())],
+          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_worker_env(), close_fds=True)
+    self.conn = mp_connection.Connection(parent.detach())
+    self.conn.send(list(sys.path))
+    self.conn.send((initializer, memory_limit_mb))
+    self.ready = False
+    self.task: Optional[int] = None
+    self.deadline = 0.0
+
+  def exitcode(self) -> Optional[int]:
+    try:
+      return self.process.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+      return None
+
+  def kill(self, grace_s: float = 0.0) -> None:
+    if grace_s > 0:
+      try:
+        self.process.wait(timeout=grace_s)
+      except subprocess.TimeoutExpired:
+        pass
+    if self.process.poll() is None:
+      self.process.kill()
+    self.exitcode()
+    self.conn.close()
+
+  def ask_to_stop(self) -> None:
+    try:
+      self.conn.send(None)
+    except (OSError, ValueError):
+      pass
+
+
+class TimeLimitedPool:
+  """``num_workers`` processes running calls under a per-call wall-clock limit.
+
+  Args:
+    num_workers: worker processes (calls running at once).
+    initializer: picklable, importable function each worker runs before it reports
+      ready (imports, warm-up).
+    memory_limit_mb: address-space limit (``RLIMIT_AS``) of each worker, or None; an
+      allocation beyond it raises ``MemoryError`` in the worker (an ``error``).
+    startup_timeout_s: how long ``map`` waits for a worker to become ready.
+  """
+
+  def __init__(
+      self,
+      num_workers: int = 4,
+      *,
+      initializer: Optional[Callable[[], None]] = None,
+      memory_limit_mb: Optional[int] = None,
+      startup_timeout_s: float = 120.0,
+  ):
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+      raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    self.num_workers = num_workers
+    self._initializer = initializer
+    self._memory_limit_mb = memory_limit_mb
+    self._startup_timeout_s = startup_timeout_s
+    self._lock = threading.Lock()
+    self._closed = False
+    self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
+    self._startup_failures = 0  # consecutive deaths of starting workers
+    self._workers = [self._spawn() for _ in range(num_workers)]
+
+  def _spawn(self) -> _Worker:
+    return _Worker(self._initializer, self._memory_limit_mb)
+
+  def _replace(self, worker: _Worker) -> None:
+    worker.kill()
+    self._workers[self._workers.index(worker)] = self._spawn()
+    self.restarts += 1
+
+  def map(self, fn: Callable[..., Any], args: Sequence[tuple], timeout_s: float) -> list[Outcome]:
+    """Run ``fn(*a)`` for each ``a`` in ``args``, each under ``timeout_s`` seconds.
+
+    ``fn`` must be picklable by reference: a module-level function of an importable
+    module (not ``__main__``). Returns one :class:`Outcome` per call, in input order.
+    A call that times out or whose worker dies leaves the pool usable: its worker is
+    replaced.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+      raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    try:
+      payloads = [pickle.dumps((fn, tuple(a))) for a in args]
+    except Exception as e:
+      raise TypeError(f"TimeLimitedPool.map: cannot pickle {fn!r} or its arguments ({e})") from e
+    with self._lock:
+      if self._closed:
+        raise RuntimeError("TimeLimitedPool.map called after close()")
+      try:
+        return self._map(payloads, float(timeout_s))
+      except BaseException:
+        for w in list(self._workers):  # a worker still busy would answer the next batch
+          if w.task is not None:
+            self._replace(w)
+        raise
+
+  def _map(self, payloads: list[bytes], timeout_s: float) -> list[Outcome]:
+    results: list[Optional[Outcome]] = [None] * len(payloads)
+    pending = collections.deque(range(len(payloads)))
+    idle_since = time.monotonic()
+    while pending or any(w.task is not None for w in self._workers):
+      for w in list(self._workers):  # hand out tasks to ready, idle workers
+        if pending and w.ready and w.task is None:
+          task = pending.popleft()
+          try:
+            w.conn.send_bytes(payloads[task])
+          except (OSError, ValueError):  # died while idle: retry the task on another worker
+            pending.appendleft(task)
+            self._replace(w)
+            continue
+          w.task, w.deadline = task, time.monotonic() + timeout_s
+      busy = [w for w in self._workers if w.task is not None]
+      now = time.monotonic()
+      if busy:
+        wait_s = max(0.0, min(w.deadline for w in busy) - now)
+        idle_since = now
+      else:  # nothing running: waiting for a (re)started worker to become ready
+        wait_s = self._startup_timeout_s - (now - idle_since)
+        if wait_s <= 0:
+          raise RuntimeError(f"no worker became ready within startup_timeout_s={self._startup_timeout_s}")
+      listening = [w.conn for w in self._workers if w.task is not None or not w.ready]
+      for conn in mp_connection.wait(listening, timeout=wait_s):
+        w = next(w for w in self._workers if w.conn is conn)
+        try:
+          msg = conn.recv()
+        except (EOFError, OSError):  # the worker died
+          code = w.exitcode()
+          if w.task is None:  # during start-up: retry, unless start-up itself is broken
+            self._startup_failures += 1
+            if self._startup_failures > _MAX_STARTUP_FAILURES:
+              raise RuntimeError(f"pool workers keep exiting during start-up (last exit code {code}); "
+                                 "see their tracebacks above")
+          else:
+            results[w.task] = Outcome("error", f"worker exited (exit code {code})")
+          self._replace(w)
+          continue
+        if msg == _READY:
+          w.ready = True
+          self._startup_failures = 0
+        else:
+          ok, value = msg
+          results[w.task] = Outcome("ok", value) if ok else Outcome("error", value)
+          w.task = None
+      now = time.monotonic()
+      for w in list(self._workers):
+        if w.task is not None and now >= w.deadline:
+          results[w.task] = Outcome("timeout")
+          self._replace(w)
+    return results  # type: ignore[return-value]
+
+  def close(self) -> None:
+    """Stop the workers (idempotent)."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      for w in self._workers:
+        w.ask_to_stop()
+      for w in self._workers:
+        w.kill(grace_s=1.0 if w.ready else 0.0)  # idle ready workers exit at once on None
+
+  def __enter__(self) -> "TimeLimitedPool":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    if not getattr(self, "_closed", True):
+      self.close()

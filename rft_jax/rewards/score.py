@@ -1,0 +1,133 @@
+r"""Score a batch of completions: extract, verify in the worker pool, apply the scheme.
+
+All checks of a batch are handed to the :class:`~rft_jax.rewards.pool.TimeLimitedPool`
+at once and run concurrently in ``config.num_workers`` processes, so one slow or
+hanging answer costs at most ``config.timeout_s`` of one worker, not the batch.
+
+The reward of completion :math:`i` is
+
+.. math::
+   R_i = \text{scheme}(\text{correct}_i, \text{formatted}_i,
+         \text{unformatted\_correct}_i, \text{truncated}_i)
+         + [\text{overlong\_shaping}]\; R_\text{length}(L_i)
+
+(see :mod:`rft_jax.rewards.schemes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rft_jax.rewards.extract import last_boxed, last_unboxed_answer
+from rft_jax.rewards.pool import TimeLimitedPool
+from rft_jax.rewards.schemes import SCHEMES, RewardConfig, dapo_overlong_penalty
+from rft_jax.rewards.verify import Verdict, check_many, default_pool
+
+TRUNCATED_FINISH_REASON = "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+  """Rewards and judgements of a batch of ``B`` completions, in input order.
+
+  Attributes:
+    reward: float32 ``[B]``, scheme plus optional over-long penalty.
+    correct: bool ``[B]``, boxed answer equivalent to the ground truth.
+    formatted: bool ``[B]``, a well-formed final ``\\boxed{}`` exists.
+    unformatted_correct: bool ``[B]``, no box but the last math span / number is
+      right (computed only for schemes that use it; False otherwise).
+    truncated: bool ``[B]``, ``finish_reason == 'length'``.
+    timed_out: bool ``[B]``, a check of this completion hit the time limit.
+    timeouts / errors: number of checks that timed out / failed in the batch.
+  """
+
+  reward: np.ndarray
+  correct: np.ndarray
+  formatted: np.ndarray
+  unformatted_correct: np.ndarray
+  truncated: np.ndarray
+  timed_out: np.ndarray
+  timeouts: int
+  errors: int
+
+  def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+    """Batch means and counts for logging."""
+    if self.reward.size == 0:
+      return {f"{prefix}timeouts": 0.0, f"{prefix}errors": 0.0}
+    return {
+        f"{prefix}mean": float(self.reward.mean()),
+        f"{prefix}accuracy": float(self.correct.mean()),
+        f"{prefix}format_rate": float(self.formatted.mean()),
+        f"{prefix}truncated_rate": float(self.truncated.mean()),
+        f"{prefix}timeouts": float(self.timeouts),
+        f"{prefix}errors": float(self.errors),
+    }
+
+
+def score_batch(
+    completions: Sequence[str],
+    answers: Sequence[str],
+    finish_reasons: Sequence[str],
+    lengths: Sequence[int],
+    config: RewardConfig,
+    *,
+    pool: Optional[TimeLimitedPool] = None,
+) -> RewardResult:
+  """Rewards of ``completions`` against ground-truth ``answers``.
+
+  Args:
+    completions: generated texts (the response only, without the prompt).
+    answers: ground truths, one per completion (LaTeX; a full solution is reduced to
+      its last ``\\boxed{}``).
+    finish_reasons: ``'length'`` marks a completion cut at the length limit.
+    lengths: response lengths in tokens (for the over-long penalty).
+    config: the :class:`RewardConfig`.
+    pool: the verifier pool; default: the process-wide one of ``config``'s settings.
+  """
+  n = len(completions)
+  for name, seq in (("answers", answers), ("finish_reasons", finish_reasons), ("lengths", lengths)):
+    if len(seq) != n:
+      raise ValueError(f"score_batch: len({name})={len(seq)} != len(completions)={n}")
+  scheme = SCHEMES[config.scheme]
+  boxed = [last_boxed(text) for text in completions]
+  formatted = np.array([b is not None for b in boxed], bool)
+
+  # One check per completion: its box, else (if the scheme needs it) its last answer.
+  pairs, owners, is_boxed = [], [], []
+  for i, (text, answer) in enumerate(zip(completions, answers)):
+    candidate = boxed[i] if boxed[i] is not None else (
+        last_unboxed_answer(text) if scheme.uses_unformatted else None)
+    if candidate is not None:
+      pairs.append((candidate, answer))
+      owners.append(i)
+      is_boxed.append(boxed[i] is not None)
+  if pairs and pool is None:
+    pool = default_pool(config.num_workers, memory_limit_mb=config.memory_limit_mb)
+  verdicts = check_many(pairs, timeout_s=config.timeout_s, pool=pool) if pairs else []
+
+  correct = np.zeros(n, bool)
+  unformatted_correct = np.zeros(n, bool)
+  timed_out = np.zeros(n, bool)
+  errors = 0
+  for i, in_box, verdict in zip(owners, is_boxed, verdicts):
+    (correct if in_box else unformatted_correct)[i] = verdict is Verdict.CORRECT
+    timed_out[i] = verdict is Verdict.TIMEOUT
+    errors += verdict is Verdict.ERROR
+  truncated = np.array([r == TRUNCATED_FINISH_REASON for r in finish_reasons], bool)
+
+  reward = scheme.fn(correct, formatted, unformatted_correct, truncated).astype(np.float32)
+  if config.overlong_shaping:
+    reward = reward + dapo_overlong_penalty(lengths, config.overlong_max_len, config.overlong_cache_len)
+  return RewardResult(
+      reward=reward.astype(np.float32),
+      correct=correct,
+      formatted=formatted,
+      unformatted_correct=unformatted_correct,
+      truncated=truncated,
+      timed_out=timed_out,
+      timeouts=int(timed_out.sum()),
+      errors=int(errors),
+  )
