@@ -37,6 +37,100 @@ def _verify(args: argparse.Namespace) -> int:
   return 0 if ok else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+  from rft_jax.parallel.multihost import initialize_from_env
+  from rft_jax.train.config import load_config
+  from rft_jax.train.loop import train
+
+  initialize_from_env()
+  cfg = load_config(args.config, args.overrides)
+  metrics = train(cfg, resume=not args.no_resume)
+  print(f"finished {cfg.steps} steps in {cfg.run_dir}: reward {metrics.get('reward_mean', float('nan')):.3f}, "
+        f"entropy {metrics.get('entropy', float('nan')):.3f}")
+  return 0
+
+
+def _restore_model(run_dir: str, step: int | None):
+  """The policy of a run's checkpoint (the base model's structure, the run's parameters)."""
+  import os
+
+  from rft_jax.models import load_hf
+  from rft_jax.rl.learner import Learner
+  from rft_jax.train.checkpoint import RunCheckpointer
+  from rft_jax.train.config import load_config
+
+  cfg = load_config(os.path.join(run_dir, "config.yaml"))
+  model = load_hf(cfg.model.path)
+  learner = Learner(model, cfg.learner)
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
+  state, _, restored = checkpointer.restore(learner.init(model), step)
+  checkpointer.close()
+  return learner.model(state), cfg, restored
+
+
+def _export(args: argparse.Namespace) -> int:
+  from rft_jax.models import load_tokenizer, save_hf
+
+  model, cfg, step = _restore_model(args.run_dir, args.step)
+  save_hf(model, args.out, tokenizer=load_tokenizer(cfg.model.path))
+  print(f"exported step {step} of {args.run_dir} to {args.out}")
+  return 0
+
+
+def _sample_problems(args: argparse.Namespace):
+  """Loads the model (HF directory or run directory) and data, samples k answers each."""
+  import os
+
+  from rft_jax.data import load_math_dataset
+  from rft_jax.models import chat_token_ids, load_hf, load_tokenizer
+  from rft_jax.rewards import RewardConfig
+  from rft_jax.train.config import DataConfig
+  from rft_jax.train.evaluate import evaluate
+  from rft_jax.train.loop import stop_token_ids
+
+  if os.path.exists(os.path.join(args.model, "checkpoints")):
+    model, cfg, _ = _restore_model(args.model, args.step)
+    tokenizer = load_tokenizer(cfg.model.path)
+  else:
+    model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
+  problems, _ = load_math_dataset(args.data, args.format, on_bad_row="skip")
+  instruction = DataConfig.instruction
+  result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature,
+                    max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id),
+                    rewards=RewardConfig(), prompt_fn=lambda q: chat_token_ids(tokenizer, f"{q} {instruction}"),
+                    seed=args.seed)
+  return problems, result
+
+
+def _eval(args: argparse.Namespace) -> int:
+  import json
+
+  problems, result = _sample_problems(args)
+  summary = {f"avg@{args.k}": result["avg"], f"pass@{args.k}": result["pass"], "problems": len(problems)}
+  print(json.dumps(summary))
+  if args.histogram:
+    from rft_jax.eval import plot_pass_rate_histogram
+    plot_pass_rate_histogram(args.histogram, result["correct"])
+  return 0
+
+
+def _filter(args: argparse.Namespace) -> int:
+  from rft_jax.train.filter import pass_rate_filter, write_filtered
+
+  problems, result = _sample_problems(args)
+  kept, rates = pass_rate_filter(problems, result["correct"], low=args.low, high=args.high)
+  kept_path, _ = write_filtered(args.out, problems, rates, kept)
+  print(f"kept {len(kept)} of {len(problems)} questions (pass rate in ({args.low:.4f}, {args.high:.4f})) -> {kept_path}")
+  return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+  from rft_jax.train.plots import plot_runs
+
+  print(plot_runs(args.run_dirs, args.out))
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="rft-jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -46,12 +140,61 @@ def build_parser() -> argparse.ArgumentParser:
   verify.add_argument("--cases", type=int, default=256, help="random positions per kind")
   verify.add_argument("--vocab", type=int, default=64, help="vocabulary size")
   verify.set_defaults(func=_verify)
+
+  train = sub.add_parser("train", help="run (or resume) a training run")
+  train.add_argument("--config", help="YAML config (see configs/)")
+  train.add_argument("--no-resume", action="store_true", help="start over even if RUN_DIR has checkpoints")
+  train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6")
+  train.set_defaults(func=_train)
+
+  export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
+  export.add_argument("run_dir")
+  export.add_argument("out")
+  export.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  export.set_defaults(func=_export)
+
+  def sampling_args(p, k, temperature):
+    p.add_argument("--model", required=True, help="HF model directory or a run directory")
+    p.add_argument("--step", type=int, help="checkpoint step of a run directory (default: latest)")
+    p.add_argument("--data", required=True)
+    p.add_argument("--format", default="jsonl")
+    p.add_argument("--k", type=int, default=k)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+
+  evaluate = sub.add_parser("eval", help="Avg@K / Pass@K of a run's checkpoint or an HF directory")
+  sampling_args(evaluate, 8, 0.7)
+  evaluate.add_argument("--histogram", help="write the per-problem pass-rate histogram PNG here")
+  evaluate.set_defaults(func=_eval)
+
+  filt = sub.add_parser("filter", help="drop questions with pass rate <= 1/16 or >= 15/16")
+  sampling_args(filt, 16, 1.0)
+  filt.add_argument("--low", type=float, default=1 / 16)
+  filt.add_argument("--high", type=float, default=15 / 16)
+  filt.add_argument("--out", required=True, help="directory for kept.jsonl and pass_rates.jsonl")
+  filt.set_defaults(func=_filter)
+
+  plot = sub.add_parser("plot", help="draw the paper's figures for runs side by side")
+  plot.add_argument("run_dirs", nargs="+")
+  plot.add_argument("--out", default="runs/plots.png")
+  plot.set_defaults(func=_plot)
   return parser
 
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  return args.func(args)
+  try:
+    return args.func(args)
+  except Exception as exc:  # bad input: one clear line, not a traceback
+    from rft_jax.data import DatasetError
+    from rft_jax.models import CheckpointError
+    from rft_jax.train.config import ConfigError
+
+    if isinstance(exc, (ConfigError, DatasetError, CheckpointError, FileNotFoundError)):
+      print(f"rft-jax {args.command}: error: {exc}", file=sys.stderr)
+      return 2
+    raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,227 @@
+"""Rollout throughput of :func:`rft_jax.sampling.generate`, against transformers, and a roofline.
+
+Default mode: a random Qwen2.5-style model (hidden 256, 4 layers, vocab 8192 by default) built
+with transformers in a temporary directory and loaded with ``load_hf``; the same 32 prompts
+(random lengths) sampled at the same temperature for the same ``max_new_tokens`` (no stop
+tokens, so every row generates them all) by ``rft_jax`` and by transformers' ``generate``
+(torch, ``do_sample=True``, ``torch.set_num_threads(cores)``). Prints tokens/s of both and their
+ratio; rft_jax's first call (compilation) is timed separately and excluded.
+
+    python benchmarks/sampler.py [--batch 32] [--new-tokens 128] [--repeats 3]
+
+``--roofline`` mode (meant for a GPU): for a preset config and batch sizes, the bytes one
+decode step must read (the weights once, plus each row's KV cache), the step time those bytes
+take at ``--hbm-gbps``, and the measured step time of ``generate`` (a random bfloat16 model,
+``(t(M) - t(1)) / (M - 1)``), i.e. the achieved fraction of the bandwidth. KV bytes are given
+both as the useful amount (the live context, averaged over the steps) and as what the decoder
+reads (every slot of the preallocated cache, masked or not).
+
+    python benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 --hbm-gbps 3350
+    python benchmarks/sampler.py --roofline --preset 1.5b --dry-run   # bytes only, no run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rft_jax.models import Qwen, QwenConfig, load_hf
+from rft_jax.sampling import SamplingParams, generate, prompt_length_bucket
+
+PRESETS = {
+    "0.5b": QwenConfig.qwen2_5_0_5b,
+    "1.5b": QwenConfig.qwen2_5_1_5b,
+    "7b": QwenConfig.qwen2_5_7b,
+    "tiny": lambda **kw: QwenConfig("qwen2", 8192, 256, 704, 4, 4, 2, tie_word_embeddings=True,
+                                    **kw),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# rft_jax vs transformers on CPU.
+
+def build_checkpoint(root: str, hidden: int, layers: int, vocab: int) -> str:
+  """A random Qwen2.5-style checkpoint saved with transformers; returns its directory."""
+  import torch
+  from transformers import AutoModelForCausalLM, Qwen2Config
+  from transformers.utils import logging
+
+  logging.set_verbosity_error()
+  config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                       num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                       num_key_value_heads=max(hidden // 128, 1), tie_word_embeddings=True,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+  torch.manual_seed(0)
+  model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  path = os.path.join(root, "ckpt")
+  model.save_pretrained(path)
+  return path
+
+
+def make_prompts(batch: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, rng.integers(lo, hi + 1)).tolist() for _ in range(batch)]
+
+
+class RftJax:
+  """rft_jax's sampler on the checkpoint; the first call (compilation) is timed separately."""
+
+  def __init__(self, path: str, prompts, new_tokens: int, temperature: float):
+    self.model = load_hf(path)
+    self.prompts = prompts
+    self.params = SamplingParams(n=1, temperature=temperature, max_new_tokens=new_tokens)
+    start = time.perf_counter()
+    generate(self.model, prompts, self.params, seed=0)
+    self.first_call = time.perf_counter() - start
+
+  def __call__(self, seed: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = generate(self.model, self.prompts, self.params, seed=seed + 1)
+    return time.perf_counter() - start, int(out.completion_lengths.sum())
+
+
+class Transformers:
+  """transformers' ``generate`` (torch, eager, one thread per core) on the same prompts."""
+
+  def __init__(self, path: str, prompts, new_tokens: int, temperature: float):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    self.torch = torch
+    self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+      ids[i, width - len(p):] = torch.tensor(p)
+      mask[i, width - len(p):] = 1
+    self.width = width
+    self.kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=True,
+                       temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, pad_token_id=0)
+    with torch.inference_mode():  # warm-up
+      self.model.generate(**{**self.kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+
+  def __call__(self, seed: int) -> tuple[float, int]:
+    self.torch.manual_seed(seed)
+    with self.torch.inference_mode():
+      start = time.perf_counter()
+      out = self.model.generate(**self.kwargs)
+      elapsed = time.perf_counter() - start
+    return elapsed, (out.shape[1] - self.width) * out.shape[0]
+
+
+def compare(args) -> None:
+  """Alternates the two samplers, so that both see the same machine load."""
+  with tempfile.TemporaryDirectory() as root:
+    path = build_checkpoint(root, args.hidden, args.layers, args.vocab)
+    prompts = make_prompts(args.batch, args.vocab, args.min_prompt, args.max_prompt)
+    print(f"backend {jax.default_backend()} ({jax.device_count()} devices), {os.cpu_count()} "
+          f"cores; Qwen2-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+          f"batch {args.batch}, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+          f"{args.new_tokens} new tokens, T={args.temperature}")
+    samplers = {"rft_jax": RftJax(path, prompts, args.new_tokens, args.temperature),
+                "transformers": Transformers(path, prompts, args.new_tokens, args.temperature)}
+    runs = {name: [] for name in samplers}
+    for r in range(args.repeats):
+      for name, sampler in samplers.items():
+        runs[name].append(sampler(r))
+  print(f"rft_jax      first call (compile + run) {samplers['rft_jax'].first_call:7.2f} s")
+  rate = {}
+  for name, results in runs.items():
+    times = [t for t, _ in results]
+    tokens = results[0][1]
+    rate[name] = tokens / statistics.median(times)
+    print(f"{name:<12} {rate[name]:8.0f} tokens/s  (median of {args.repeats} runs of {tokens} "
+          f"tokens: {', '.join(f'{t:.2f}' for t in times)} s)")
+  print(f"ratio rft_jax / transformers: {rate['rft_jax'] / rate['transformers']:.2f}x")
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline.
+
+def decode_bytes(config: QwenConfig, batch: int, prompt: int, new_tokens: int) -> dict:
+  """Bytes one decode step reads: weights once, KV per row (useful and as allocated)."""
+  model = nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  kv_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                  * jnp.dtype(config.dtype).itemsize)
+  slots = prompt_length_bucket(prompt) + new_tokens - 1
+  live = prompt + new_tokens / 2  # average context over the decode steps
+  return {"weights": weight_bytes, "kv_useful": batch * live * kv_per_token,
+          "kv_read": batch * slots * kv_per_token}
+
+
+def roofline(args) -> None:
+  config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  bandwidth = args.hbm_gbps * 1e9
+  print(f"backend {jax.default_backend()}: preset {args.preset}, prompt {args.prompt} tokens, "
+        f"{args.new_tokens} new tokens, bfloat16, HBM {args.hbm_gbps:.0f} GB/s")
+  model = None
+  for batch in args.batches:
+    b = decode_bytes(config, batch, args.prompt, args.new_tokens)
+    useful = b["weights"] + b["kv_useful"]
+    read = b["weights"] + b["kv_read"]
+    line = (f"batch {batch:4d}: weights {b['weights'] / 1e9:6.3f} GB, KV useful "
+            f"{b['kv_useful'] / 1e9:6.3f} GB / read {b['kv_read'] / 1e9:6.3f} GB per step; "
+            f"bound {useful / bandwidth * 1e3:7.3f} ms (useful) {read / bandwidth * 1e3:7.3f} ms "
+            f"(read)")
+    if args.dry_run:
+      print(line)
+      continue
+    if model is None:
+      model = Qwen(config, rngs=nnx.Rngs(0))
+    prompts = make_prompts(batch, config.vocab_size, args.prompt, args.prompt)
+    step = {}
+    for m in (1, args.new_tokens):
+      params = SamplingParams(temperature=1.0, max_new_tokens=m)
+      generate(model, prompts, params, seed=0)  # compile
+      times = []
+      for r in range(args.repeats):
+        start = time.perf_counter()
+        generate(model, prompts, params, seed=r + 1)
+        times.append(time.perf_counter() - start)
+      step[m] = min(times)
+    per_step = (step[args.new_tokens] - step[1]) / (args.new_tokens - 1)
+    print(f"{line}\n            measured {per_step * 1e3:7.3f} ms/step, "
+          f"{batch / per_step:9.0f} tokens/s; achieved {useful / per_step / bandwidth:6.1%} "
+          f"(useful bytes) {read / per_step / bandwidth:6.1%} (read bytes) of HBM bandwidth")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--new-tokens", type=int, default=128)
+  parser.add_argument("--temperature", type=float, default=1.0)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--hidden", type=int, default=256)
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--vocab", type=int, default=8192)
+  parser.add_argument("--min-prompt", type=int, default=16)
+  parser.add_argument("--max-prompt", type=int, default=48)
+  parser.add_argument("--roofline", action="store_true")
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
+  parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+  parser.add_argument("--prompt", type=int, default=256)
+  parser.add_argument("--hbm-gbps", type=float, default=3350.0, help="H100 SXM: 3350")
+  parser.add_argument("--dry-run", action="store_true", help="roofline bytes only, no run")
+  args = parser.parse_args()
+  if args.roofline:
+    roofline(args)
+  else:
+    compare(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,34 @@
+"""Shape buckets: a training run compiles one sampling program per bucket, not one per batch.
+
+Prompt lengths round up to a power of two (at least :data:`MIN_PROMPT_BUCKET`) up to
+:data:`POW2_LIMIT`, then to a multiple of it; prompt counts round up to a power of two and then
+to a multiple of the mesh's data-axis size.
+"""
+
+from __future__ import annotations
+
+MIN_PROMPT_BUCKET = 16
+POW2_LIMIT = 1024
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(x - 1, 0).bit_length()
+
+
+def prompt_length_bucket(length: int) -> int:
+  """16, 32, 64, ..., 1024, then multiples of 1024 (the smallest one ``>= length``)."""
+  if length < 1:
+    raise ValueError(f"prompt length {length} must be >= 1")
+  if length <= POW2_LIMIT:
+    return max(MIN_PROMPT_BUCKET, _next_pow2(length))
+  return -(-length // POW2_LIMIT) * POW2_LIMIT
+
+
+def batch_bucket(num_prompts: int, data_size: int = 1) -> int:
+  """The padded prompt count: a power of two ``>= num_prompts``, a multiple of ``data_size``."""
+  if num_prompts < 1:
+    raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+  if data_size < 1:
+    raise ValueError(f"data_size={data_size} must be >= 1")
+  size = _next_pow2(num_prompts)
+  return -(-size // data_size) * data_size

@@ -1,0 +1,154 @@
+"""The user API: :func:`generate` pads and buckets the prompts, runs the compiled loop, unpads.
+
+::
+
+  params = SamplingParams(n=8, temperature=1.0, max_new_tokens=1024,
+                          stop_token_ids=tuple(tokenizer_eos_ids))
+  rollouts = generate(learner.model(state), prompt_token_ids, params, seed=step, mesh=mesh)
+  batch = rollouts.to_learner_arrays()   # + advantages -> LearnerBatch
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from rft_jax.models.kv_cache import KVCache, init_cache
+from rft_jax.parallel import DEFAULT_RULES, Rules, named_sharding, tree_shardings
+from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
+from rft_jax.sampling.keys import prompt_fingerprints
+from rft_jax.sampling.loop import LoopSpec, sample_loop
+from rft_jax.sampling.params import SamplingParams
+from rft_jax.sampling.rollouts import Rollouts
+
+DATA_AXIS = "data"
+
+
+def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+             seed: int, mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES,
+             cache_dtype=None) -> Rollouts:
+  """Samples ``params.n`` completions of every prompt with one compiled program.
+
+  The prompts are left-padded to a length bucket and their count padded to a batch bucket (see
+  :mod:`rft_jax.sampling.buckets`) with dummy prompts whose outputs are dropped, so calls with
+  different batches share compiled programs. Each prompt is prefilled once for its ``n``
+  samples. The completions are a function of the seed, the prompt's tokens and the sample
+  index, not of the prompt's place in the list (see :mod:`rft_jax.sampling.keys`).
+
+  Args:
+    model: a :class:`~rft_jax.models.Qwen` (e.g. ``Learner.model(state)``); its parameter arrays
+      are read in place, with their current shardings.
+    prompts: token-id lists, of any lengths >= 1.
+    params: the :class:`SamplingParams`; ``stop_token_ids`` must hold the tokenizer's
+      end-of-sequence ids.
+    seed: an integer in ``[0, 2**32)``.
+    mesh: lay the rows and the KV cache's batch axis over the mesh's ``data`` axis (the
+      parameters must already live on this mesh, e.g. ``shard_model`` or ``load_hf(mesh=)``).
+    rules: logical-axis rules for the KV cache (its ``kv_heads`` axis follows the attention
+      weights); ``batch`` always maps to ``data``.
+    cache_dtype: KV cache dtype (default: the model's compute dtype).
+
+  Returns:
+    :class:`Rollouts`, prompt by prompt, ``n`` completions each.
+
+  Raises:
+    ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a seed out of
+      range, or parameters not on ``mesh``.
+  """
+  if not isinstance(params, SamplingParams):
+    raise TypeError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+  prompts = _check_prompts(prompts, model.config.vocab_size)
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+    raise ValueError(f"generate: seed={seed!r} must be an integer in [0, 2**32)")
+  graphdef, state = nnx.split(model)
+  data = 1
+  if mesh is not None:
+    if DATA_AXIS not in mesh.shape:
+      raise ValueError(f"generate: the mesh {dict(mesh.shape)} has no {DATA_AXIS!r} axis")
+    data = mesh.shape[DATA_AXIS]
+    _check_on_mesh(state, mesh)
+    rules = ((("batch", DATA_AXIS),) + tuple(rules))
+  rules = tuple(tuple(rule) for rule in rules)
+
+  num = len(prompts)
+  width = prompt_length_bucket(max(len(x) for x in prompts))
+  batch = batch_bucket(num, data)
+  ids = np.zeros((batch, width), np.int32)
+  mask = np.zeros((batch, width), np.int32)
+  for i, prompt in enumerate(prompts):
+    ids[i, width - len(prompt):] = prompt
+    mask[i, width - len(prompt):] = 1
+  fingerprints = np.zeros((batch, 3), np.uint32)
+  fingerprints[:num] = prompt_fingerprints(prompts)
+  live = np.arange(batch) < num
+
+  n, m = params.n, params.max_new_tokens
+  cache = empty_cache(model.config, batch * n, width + m - 1, cache_dtype, mesh, rules)
+  inputs = [ids, mask, fingerprints, live]
+  if mesh is not None:
+    inputs = [jax.device_put(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape,
+                                               mesh, rules)) for x in inputs]
+  out, cache = sample_loop(graphdef, state, cache, *inputs, np.uint32(seed),
+                           np.float32(params.temperature or 1.0), np.int32(params.top_k),
+                           np.float32(params.top_p),
+                           spec=LoopSpec.of(params), mesh=mesh, rules=rules)
+  del cache
+  tokens, logprobs, lengths, done = jax.device_get(
+      (out.tokens, out.logprobs, out.lengths, out.done))
+  keep = num * n
+  return Rollouts(
+      prompt_ids=ids[:num],
+      prompt_lengths=np.asarray([len(x) for x in prompts], np.int32),
+      completion_ids=np.asarray(tokens[:keep], np.int32),
+      completion_lengths=np.asarray(lengths[:keep], np.int32),
+      logprobs=np.asarray(logprobs[:keep], np.float32),
+      finish_reason=np.where(done[:keep], "stop", "length"),
+      prompt_index=np.repeat(np.arange(num, dtype=np.int32), n),
+  )
+
+
+def empty_cache(config, batch: int, max_len: int, dtype=None, mesh: Mesh | None = None,
+                rules: Rules = DEFAULT_RULES) -> KVCache:
+  """A zero :class:`KVCache`, created directly with its shardings on ``mesh`` when given."""
+  abstract = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
+  if mesh is None:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+  shardings = tree_shardings(abstract, KVCache.logical_axes(), mesh, rules)
+  return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), abstract, shardings)
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+  if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+    prompts = list(prompts)
+  if not len(prompts):
+    raise ValueError("generate: prompts is empty")
+  out = []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, (int, np.integer)):
+      raise ValueError(f"generate: prompts[{i}]={prompt!r} is a token id, not a list of them")
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 1 or prompt.size == 0:
+      raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids, got "
+                       f"shape {prompt.shape}")
+    if prompt.dtype.kind not in "iu":
+      raise ValueError(f"generate: prompts[{i}] holds {prompt.dtype} values, not token ids")
+    bad = (prompt < 0) | (prompt >= vocab_size)
+    if bad.any():
+      raise ValueError(f"generate: prompts[{i}] holds token id {int(prompt[bad][0])} outside "
+                       f"[0, {vocab_size})")
+    out.append(prompt.astype(np.int64).tolist())
+  return out
+
+
+def _check_on_mesh(state: nnx.State, mesh: Mesh) -> None:
+  for path, x in nnx.to_flat_state(state):
+    sharding = getattr(x.get_value() if hasattr(x, "get_value") else x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+      raise ValueError(
+          f"generate: parameter {'.'.join(map(str, path))} is not laid out on the given mesh "
+          f"(sharding {sharding}); shard the model first (rft_jax.parallel.shard_model)")

@@ -1,0 +1,83 @@
+"""What to sample: the per-call settings of :func:`rft_jax.sampling.generate`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  r"""Settings of one :func:`~rft_jax.sampling.generate` call.
+
+  Token ``t`` of a completion is drawn from the scaled logits :math:`z / T`, truncated to the
+  ``top_k`` largest entries and then to the smallest set of top entries whose probability mass
+  reaches ``top_p`` (the Hugging Face order: temperature, top-k, top-p). ``temperature=0``
+  is greedy decoding (argmax of :math:`z`; ``top_k`` and ``top_p`` then change nothing).
+
+  ``n``, ``max_new_tokens``, ``stop_token_ids`` and whether decoding is greedy or truncated
+  (``top_k > 0`` or ``top_p < 1``) shape the compiled program; the values of ``temperature``,
+  ``top_k`` and ``top_p`` are traced, so changing them reuses it. A training run compiles one
+  program per shape bucket.
+
+  Attributes:
+    n: completions per prompt (the GRPO group size).
+    temperature: T >= 0; 0 is greedy.
+    top_p: nucleus mass in (0, 1]; 1.0 turns it off.
+    top_k: keep the k largest logits; 0 turns it off.
+    max_new_tokens: M, the most tokens a completion may have (its stop token included).
+    stop_token_ids: tokens that end a completion; the stop token is part of the completion. Pass
+      the tokenizer's end-of-sequence ids (e.g. ``<|im_end|>`` and ``<|endoftext|>`` for
+      Qwen instruct models): nothing here reads them from the model or tokenizer. Empty: every
+      completion runs to ``max_new_tokens``.
+  """
+
+  n: int = 1
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 256
+  stop_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
+      raise ValueError(
+          f"SamplingParams.stop_token_ids={self.stop_token_ids!r} must be a tuple of token ids")
+    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+    _check_int("n", self.n, minimum=1)
+    _check_int("top_k", self.top_k, minimum=0)
+    _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+    for name in ("n", "top_k", "max_new_tokens"):
+      object.__setattr__(self, name, int(getattr(self, name)))
+    if not _is_real(self.temperature) or not math.isfinite(self.temperature) or (
+        self.temperature < 0):
+      raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a finite "
+                       "number >= 0 (0 is greedy)")
+    if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be in (0, 1] (1.0 is off)")
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_p", float(self.top_p))
+    for i, token in enumerate(self.stop_token_ids):
+      if not _is_int(token) or token < 0:
+        raise ValueError(f"SamplingParams.stop_token_ids[{i}]={token!r} must be a token id >= 0")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+  @property
+  def greedy(self) -> bool:
+    """``temperature == 0``."""
+    return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) or (
+      hasattr(x, "dtype") and getattr(x.dtype, "kind", "") in "iu" and getattr(x, "ndim", 1) == 0)
+
+
+def _is_real(x) -> bool:
+  return _is_int(x) or isinstance(x, float) or (
+      hasattr(x, "dtype") and getattr(x.dtype, "kind", "") == "f" and getattr(x, "ndim", 1) == 0)
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+  if not _is_int(value) or value < minimum:
+    raise ValueError(f"SamplingParams.{name}={value!r} must be an integer >= {minimum}")

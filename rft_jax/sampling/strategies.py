@@ -1,0 +1,133 @@
+r"""Sampling strategies on float32 next-token logits ``[B, V]``: greedy, temperature, top-k, top-p.
+
+Each row draws with its own key, so a row's token depends on its logits and its key only, not on
+the other rows. The log-probability returned with a token is always under the *untruncated*
+distribution the token was scaled for:
+
+.. math::
+   \log \pi(y) = \log \mathrm{softmax}(z / T)_y \quad (T > 0), \qquad
+   \log \pi(y) = \log \mathrm{softmax}(z)_y \quad (T = 0),
+
+before top-k / top-p truncation. The learner's importance ratio divides by the same quantity
+(``log softmax(z / T)`` over the full vocabulary), so the two sides compare like with like;
+truncation renormalisation would otherwise add :math:`-\log(\text{kept mass})` to every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from rft_jax.sampling.params import SamplingParams
+
+_NEG_INF = -jnp.inf
+
+
+def truncate(logits: Float[Array, "B V"], top_k: Int[Array, ""] | int,
+             top_p: Float[Array, ""] | float) -> Float[Array, "B V"]:
+  r"""Top-k, then top-p truncation (the Hugging Face order), with one sort per row.
+
+  Top-k keeps the logits ``>=`` the k-th largest (ties kept; ``top_k = 0`` keeps all). Top-p
+  then takes the distribution renormalised on those, sorts it in decreasing order, and keeps
+  token :math:`i` iff the mass before it is :math:`< p` (so the most likely token always stays,
+  and ``top_p = 1`` keeps all); ties with the last kept logit are kept. Both may be traced.
+
+  Returns:
+    ``logits`` with the removed entries set to ``-inf``.
+  """
+  v = logits.shape[-1]
+  sorted_logits = -jnp.sort(-logits, axis=-1)
+  k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
+  kth = jax.lax.dynamic_index_in_dim(sorted_logits, k - 1, axis=-1)  # [B, 1]
+  sorted_logits = jnp.where(sorted_logits >= kth, sorted_logits, _NEG_INF)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  kept = jnp.maximum(jnp.sum((mass_before < top_p) & (probs > 0), axis=-1, keepdims=True), 1)
+  cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)
+  cutoff = jnp.where(top_p < 1, cutoff, kth)
+  return jnp.where(logits < cutoff, _NEG_INF, logits)
+
+
+def categorical(keys: jax.Array, logits: Float[Array, "B V"]) -> Int[Array, "B"]:
+  r"""One draw per row from ``softmax(logits)`` by inversion, with one uniform per row.
+
+  With weights :math:`w_i = e^{z_i - \max z}` cut into blocks of ``b`` (a power of two
+  :math:`\ge \sqrt V`) and :math:`u \sim U[0, 1)` from the row's key, the draw picks the
+  first block whose cumulative weight exceeds :math:`u \sum_i w_i`, then the first token of
+  that block whose cumulative weight exceeds the remainder: two short prefix sums instead of
+  one over V, and far cheaper than Gumbel-max (``jax.random.categorical``), which draws V
+  random numbers per row and step. Entries at ``-inf`` weigh exactly 0 and are never drawn;
+  when rounding pushes the target past the end of a prefix sum, the last entry of nonzero
+  weight is taken.
+  """
+  rows, v = logits.shape
+  block = 1 << max(int(v - 1).bit_length() + 1, 2) // 2  # 2**ceil(log2(V) / 2)
+  blocks = -(-v // block)
+  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  weights = jnp.pad(weights, ((0, 0), (0, blocks * block - v))).reshape(rows, blocks, block)
+  block_cdf = jnp.cumsum(jnp.sum(weights, axis=-1), axis=-1)  # [B, blocks]
+  target = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+  target = target * block_cdf[:, -1]
+  j = _first_above(block_cdf, target)
+  below = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None],
+                                               axis=-1)[:, 0], 0.0)
+  inner = jnp.take_along_axis(weights, j[:, None, None], axis=1)[:, 0]  # [B, block]
+  i = _first_above(jnp.cumsum(inner, axis=-1), target - below)
+  return (j * block + i).astype(jnp.int32)
+
+
+def _first_above(cdf: Float[Array, "B K"], target: Float[Array, "B"]) -> Int[Array, "B"]:
+  """The first index with ``cdf > target``, or the last increase of ``cdf`` if none."""
+  first = jnp.sum(cdf <= target[:, None], axis=-1)
+  return jnp.minimum(first, jnp.argmax(cdf, axis=-1)).astype(jnp.int32)
+
+
+def token_logprob(scaled: Float[Array, "B V"], tokens: Int[Array, "B"]) -> Float[Array, "B"]:
+  """``log_softmax(scaled)[b, tokens[b]]``."""
+  logz = jax.nn.logsumexp(scaled, axis=-1)
+  return jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - logz
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """The static (program-shaping) part of a sampling setting; T, top-k and top-p are traced.
+
+  Attributes:
+    greedy: argmax instead of a random draw (temperature 0).
+    truncate: apply :func:`truncate` (``top_k > 0`` or ``top_p < 1``): one sort per row and
+      step, which plain sampling skips.
+  """
+
+  greedy: bool = False
+  truncate: bool = False
+
+  @classmethod
+  def of(cls, params: SamplingParams) -> Strategy:
+    return cls(greedy=params.greedy,
+               truncate=not params.greedy and (params.top_k > 0 or params.top_p < 1))
+
+  def __call__(self, logits: Float[Array, "B V"], keys: jax.Array,
+               temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""]
+               ) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
+    """One token per row and its log-probability (see the module docstring for which one).
+
+    Args:
+      logits: raw next-token logits.
+      keys: ``[B]`` typed PRNG keys, one per row (unused when greedy).
+      temperature: T > 0 (ignored when greedy).
+      top_k, top_p: truncation (ignored unless ``truncate``).
+
+    Returns:
+      ``(tokens int32 [B], logp float32 [B])``.
+    """
+    logits = logits.astype(jnp.float32)
+    if self.greedy:
+      tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return tokens, token_logprob(logits, tokens)
+    scaled = logits / temperature
+    truncated = truncate(scaled, top_k, top_p) if self.truncate else scaled
+    tokens = categorical(keys, truncated)
+    return tokens, token_logprob(scaled, tokens)

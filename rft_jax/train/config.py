@@ -1,0 +1,215 @@
+"""The run's one config tree: dataclasses as the schema, YAML + dotted CLI overrides merged
+by OmegaConf (structured configs), so an unknown key or a wrong type is an error naming it.
+
+    cfg = load_config("configs/demo.yaml", ["learner.lr=1e-6", "sampling.n=8"])
+
+Cross-field checks (batch sizes that must divide, the sampling temperature the learner's
+statistics use) run when the config is loaded, not at step 1 on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rft_jax.rewards import RewardConfig
+from rft_jax.rl.config import LearnerConfig
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names the file, the key and the value."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  """The policy: a Hugging Face Qwen directory (config.json + safetensors + tokenizer).
+
+  Attributes:
+    path: the directory (required).
+    dtype / param_dtype: compute and storage dtypes (``float32`` or ``bfloat16``).
+    remat: rematerialise each decoder layer in the backward pass.
+  """
+
+  path: str = ""
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: bool = False
+
+
+@dataclasses.dataclass
+class DataConfig:
+  """Training questions (see ``rft_jax.data``).
+
+  Attributes:
+    train_path: local file or ``save_to_disk`` directory (required).
+    format: ``dapo_math_17k``, ``aime_2024``, ``aime_2025`` or ``jsonl`` (generic).
+    question_field / answer_field: override the format's columns (dotted paths).
+    on_bad_row: ``error`` or ``skip`` (skipped rows are counted and logged).
+    val_size: questions held out of the training set for validation (the paper: 500).
+    prompts_per_step: prompts per training batch.
+    max_prompt_len: longer prompts (in tokens) are filtered out, and counted.
+    system_prompt: optional system message of the chat template.
+    instruction: appended to every question.
+    epochs: passes over the data (None: forever).
+  """
+
+  train_path: str = ""
+  format: str = "jsonl"
+  question_field: Optional[str] = None
+  answer_field: Optional[str] = None
+  on_bad_row: str = "error"
+  val_size: int = 500
+  prompts_per_step: int = 64
+  max_prompt_len: int = 1024
+  system_prompt: Optional[str] = None
+  instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+  epochs: Optional[int] = None
+
+
+@dataclasses.dataclass
+class SamplingConfig:
+  """Rollouts: ``n`` completions per prompt at ``temperature`` (0: greedy)."""
+
+  n: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 1024
+
+
+@dataclasses.dataclass
+class EvalSetConfig:
+  """One evaluation set: a name, a local file, its format and K samples per problem."""
+
+  name: str = "val"
+  path: str = ""
+  format: str = "jsonl"
+  k: int = 8
+
+
+@dataclasses.dataclass
+class EvalConfig:
+  """Evaluation every ``every`` steps (0: never) at ``temperature`` (the paper: 0.7).
+
+  ``sets`` lists extra sets (e.g. AIME with k=32); the held-out validation split is
+  evaluated with ``val_k`` samples when ``data.val_size > 0``.
+  """
+
+  every: int = 0
+  temperature: float = 0.7
+  max_new_tokens: Optional[int] = None
+  val_k: int = 8
+  max_val_problems: Optional[int] = None
+  sets: list[EvalSetConfig] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  """Device mesh: ``data`` x ``model`` devices (``data=-1``: all devices / model)."""
+
+  data: int = -1
+  model: int = 1
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """A training run.
+
+  Attributes:
+    run_dir: where metrics, checkpoints, plots and the resolved config go.
+    seed: seeds the data order, the sampler and everything else.
+    steps: training steps (batches).
+    dynamic_sampling: drop groups whose rewards all agree (zero advantage) and refill
+      with fresh prompts, up to ``max_refills`` extra sampling rounds per step.
+    checkpoint_every / keep_checkpoints: orbax checkpoints (0: only at the end).
+    progress: show a progress bar.
+  """
+
+  run_dir: str = "runs/default"
+  seed: int = 0
+  steps: int = 100
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+  learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+  rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  dynamic_sampling: bool = False
+  max_refills: int = 0
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
+  progress: bool = True
+
+  def __post_init__(self):
+    for key, value in (("model.path", self.model.path), ("data.train_path", self.data.train_path)):
+      if not value:
+        raise ConfigError(f"{key} is required (set it in the YAML or as {key}=...)")
+    if self.model.dtype not in ("float32", "bfloat16") or self.model.param_dtype not in ("float32", "bfloat16"):
+      raise ConfigError(f"model.dtype / model.param_dtype must be float32 or bfloat16, got "
+                        f"{self.model.dtype!r} / {self.model.param_dtype!r}")
+    rollouts = self.data.prompts_per_step * self.sampling.n
+    per_update = self.learner.micro_batch_size * self.learner.mini_batches
+    if rollouts % per_update:
+      raise ConfigError(
+          f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
+          f"learner.mini_batches={self.learner.mini_batches} x learner.micro_batch_size="
+          f"{self.learner.micro_batch_size}")
+    if self.mesh.data > 0 and self.learner.micro_batch_size % self.mesh.data:
+      raise ConfigError(f"learner.micro_batch_size={self.learner.micro_batch_size} is not a multiple "
+                        f"of mesh.data={self.mesh.data}")
+    if self.sampling.n < 2:
+      raise ConfigError(f"sampling.n={self.sampling.n}: group advantages need at least 2 samples per prompt")
+    if self.sampling.temperature <= 0:
+      raise ConfigError("sampling.temperature must be > 0 for RL rollouts (0 is greedy)")
+    if self.learner.temperature is None:
+      self.learner.temperature = self.sampling.temperature
+    elif self.learner.temperature != self.sampling.temperature:
+      raise ConfigError(
+          f"learner.temperature={self.learner.temperature} differs from sampling.temperature="
+          f"{self.sampling.temperature}: the learner's log p and entropy statistics must be those of "
+          f"the distribution the rollouts were sampled from (leave learner.temperature unset)")
+    if self.learner.max_len is None:
+      self.learner.max_len = self.sampling.max_new_tokens
+    for name in ("steps", "keep_checkpoints"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+  key = getattr(exc, "full_key", None)
+  text = str(exc).splitlines()[0]
+  return f"{text} (key: {key})" if key else text
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = (), **defaults) -> TrainConfig:
+  """Merges the schema, ``defaults`` (a dict of fields), the YAML file and dotted overrides."""
+  where = path or "the command line"
+  try:
+    merged = OmegaConf.structured(TrainConfig)
+    if defaults:
+      merged = OmegaConf.merge(merged, OmegaConf.create(defaults))
+    if path:
+      merged = OmegaConf.merge(merged, OmegaConf.load(path))
+    if overrides:
+      bad = [o for o in overrides if "=" not in o]
+      if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+      merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.to_object(merged)
+  except FileNotFoundError as exc:
+    raise ConfigError(f"config file not found: {path}") from exc
+  except OmegaConfBaseException as exc:
+    raise ConfigError(f"{where}: {_describe(exc)}") from exc
+  except ConfigError:
+    raise
+  except ValueError as exc:  # a dataclass __post_init__ check
+    raise ConfigError(f"{where}: {exc}") from exc
+
+
+def to_yaml(config: TrainConfig) -> str:
+  """The resolved config, as written to ``RUN_DIR/config.yaml``."""
+  return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,231 @@
+"""The training loop: sample, reward, learn, log, evaluate, checkpoint.
+
+Each step draws ``data.prompts_per_step`` prompts, samples ``sampling.n`` completions
+each with the learner's current parameters (in place, on the learner's mesh), scores
+them, turns rewards into group advantages (optionally dropping zero-variance groups and
+refilling, DAPO's dynamic sampling), runs one learner step and logs every metric. The
+sampler's randomness is derived from ``seed`` and the step, and the prompt stream's
+position is checkpointed, so a resumed run repeats exactly what an uninterrupted one
+would have done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rft_jax import data as data_lib
+from rft_jax.models import chat_token_ids, load_hf, load_tokenizer
+from rft_jax.parallel import make_mesh
+from rft_jax.rewards import score_batch
+from rft_jax.rl.advantages import compute_advantages
+from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.sampling import SamplingParams, generate
+from rft_jax.train.checkpoint import RunCheckpointer
+from rft_jax.train.config import TrainConfig, to_yaml
+from rft_jax.train.evaluate import evaluate_problems
+from rft_jax.train.metrics_log import MetricsLog
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def stop_token_ids(tokenizer: Any, model_eos: Any = None) -> tuple[int, ...]:
+  """End-of-sequence ids: the tokenizer's eos, the model config's, and Qwen's chat markers."""
+  ids = set()
+  for value in (tokenizer.eos_token_id, model_eos):
+    if value is None:
+      continue
+    ids.update([value] if isinstance(value, int) else list(value))
+  vocab = tokenizer.get_vocab()
+  ids.update(vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab)
+  return tuple(sorted(int(i) for i in ids))
+
+
+@dataclasses.dataclass
+class Run:
+  """What a run builds once: mesh, model, tokenizer, learner, data."""
+
+  config: TrainConfig
+  mesh: Any
+  learner: Learner
+  tokenizer: Any
+  stream: data_lib.PromptStream
+  validation: list
+  stop_ids: tuple[int, ...]
+  data_report: dict
+
+
+def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
+  """Builds the run and returns it with a fresh train state."""
+  devices = jax.devices()
+  data_size = cfg.mesh.data if cfg.mesh.data > 0 else len(devices) // cfg.mesh.model
+  mesh = make_mesh(data=data_size, model=cfg.mesh.model)
+  model = load_hf(cfg.model.path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
+                  mesh=mesh, remat=cfg.model.remat)
+  tokenizer = load_tokenizer(cfg.model.path)
+  examples, report = data_lib.load_math_dataset(
+      cfg.data.train_path, cfg.data.format, question_field=cfg.data.question_field,
+      answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row)
+  validation = []
+  if cfg.data.val_size > 0:
+    examples, validation = data_lib.split_validation(examples, cfg.data.val_size, cfg.seed)
+  prompts, too_long = data_lib.tokenize_prompts(examples, lambda q: prompt_ids(tokenizer, cfg, q),
+                                                cfg.data.max_prompt_len)
+  stream = data_lib.PromptStream(prompts, prompts_per_step=cfg.data.prompts_per_step, seed=cfg.seed,
+                                 epochs=cfg.data.epochs)
+  learner = Learner(model, cfg.learner, mesh=mesh)
+  state = learner.init(model)
+  run = Run(cfg, mesh, learner, tokenizer, stream, validation,
+            stop_token_ids(tokenizer, model.config.eos_token_id),
+            {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
+             "train_prompts": len(prompts), "validation_prompts": len(validation)})
+  return run, state
+
+
+def prompt_ids(tokenizer: Any, cfg: TrainConfig, question: str) -> list[int]:
+  text = f"{question} {cfg.data.instruction}".strip() if cfg.data.instruction else question
+  return chat_token_ids(tokenizer, text, cfg.data.system_prompt)
+
+
+def _sampling_params(cfg: TrainConfig, stop_ids) -> SamplingParams:
+  s = cfg.sampling
+  return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                        max_new_tokens=s.max_new_tokens, stop_token_ids=stop_ids)
+
+
+def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any]:
+  """Rollouts of ``prompts`` with their rewards and the per-completion fields."""
+  cfg = run.config
+  t0 = time.perf_counter()
+  rollouts = generate(run.learner.model(state), [list(p.token_ids) for p in prompts],
+                      _sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh)
+  t1 = time.perf_counter()
+  texts = run.tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
+  answers = [prompts[i].example.answer for i in rollouts.prompt_index]
+  scored = score_batch(texts, answers, list(rollouts.finish_reason),
+                       [int(x) for x in rollouts.completion_lengths], cfg.rewards)
+  return {"rollouts": rollouts, "scored": scored, "sample_time": t1 - t0,
+          "reward_time": time.perf_counter() - t1}
+
+
+def _select_groups(parts: list[dict], n: int, groups_wanted: int, dynamic: bool):
+  """Concatenated arrays of ``groups_wanted`` groups, preferring groups with reward variance."""
+  fields = []
+  for part in parts:
+    arrays = part["rollouts"].to_learner_arrays()
+    rewards = np.asarray(part["scored"].reward, np.float32)
+    for g in range(len(rewards) // n):
+      rows = slice(g * n, (g + 1) * n)
+      fields.append(({k: v[rows] for k, v in arrays.items()}, rewards[rows], part, rows))
+  if dynamic:
+    varied = [f for f in fields if np.ptp(f[1]) > 0]
+    flat = [f for f in fields if np.ptp(f[1]) == 0]
+    fields = varied + flat  # flat groups only fill what refills could not
+  chosen = fields[:groups_wanted]
+  width = max(f[0]["input_ids"].shape[1] for f in chosen)
+
+  def pad(x):  # rollouts of different refills may have different prompt buckets
+    return np.pad(x, ((0, 0), (width - x.shape[1], 0)))
+
+  arrays = {k: np.concatenate([pad(f[0][k]) for f in chosen]) for k in chosen[0][0]}
+  rewards = np.concatenate([f[1] for f in chosen])
+  return arrays, rewards, chosen
+
+
+def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
+  """One step of the loop; returns the new state and every metric of the step."""
+  cfg = run.config
+  n, groups = cfg.sampling.n, cfg.data.prompts_per_step
+  parts = [sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101)]
+  refills = 0
+  while cfg.dynamic_sampling and refills < cfg.max_refills:
+    varied = sum(np.ptp(np.asarray(p["scored"].reward).reshape(-1, n), axis=1).astype(bool).sum() for p in parts)
+    if varied >= groups:
+      break
+    refills += 1
+    parts.append(sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101 + refills))
+  arrays, rewards, chosen = _select_groups(parts, n, groups, cfg.dynamic_sampling)
+  advantages = compute_advantages(jnp.asarray(rewards), n, cfg.learner.advantage,
+                                  **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
+                                     if cfg.learner.advantage == "grpo" else {}))
+  batch = LearnerBatch(input_ids=jnp.asarray(arrays["input_ids"]),
+                       attention_mask=jnp.asarray(arrays["attention_mask"]),
+                       response_mask=jnp.asarray(arrays["response_mask"]),
+                       advantages=advantages, sampler_logp=jnp.asarray(arrays["sampler_logp"]))
+  t0 = time.perf_counter()
+  state, metrics = run.learner.step(state, batch)
+  learn_time = time.perf_counter() - t0
+
+  lengths = np.concatenate([p["rollouts"].completion_lengths[rows] for _, _, p, rows in chosen])
+  finish = np.concatenate([p["rollouts"].finish_reason[rows] for _, _, p, rows in chosen])
+  correct = np.concatenate([np.asarray(p["scored"].correct)[rows] for _, _, p, rows in chosen])
+  all_rewards = np.concatenate([np.asarray(p["scored"].reward) for p in parts]).reshape(-1, n)
+  sample_time = sum(p["sample_time"] for p in parts)
+  tokens = int(sum(p["rollouts"].completion_lengths.sum() for p in parts))
+  metrics.update({
+      "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+      "accuracy": float(correct.mean()),
+      "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
+      "truncated_frac": float(np.mean(finish == "length")),
+      "zero_variance_group_frac": float(np.mean(np.ptp(all_rewards, axis=1) == 0)),
+      "refills": float(refills),
+      "reward_timeouts": float(sum(p["scored"].timeouts for p in parts)),
+      "time_sample": sample_time, "time_reward": sum(p["reward_time"] for p in parts),
+      "time_learner": learn_time, "sample_tokens_per_s": tokens / max(sample_time, 1e-9),
+  })
+  return state, metrics
+
+
+def _checkpoint_meta(run: Run, step: int) -> dict:
+  return {"step": step, "seed": run.config.seed, "data": run.stream.get_state()}
+
+
+def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
+  """Runs (or resumes) a training run in ``cfg.run_dir``; returns the last step's metrics.
+
+  With ``resume`` (the default) a run directory that holds checkpoints continues from
+  the latest one; the metrics of the resumed steps equal those of an uninterrupted run.
+  """
+  os.makedirs(cfg.run_dir, exist_ok=True)
+  with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+    f.write(to_yaml(cfg))
+  run, state = build_run(cfg)
+  checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
+  start = 0
+  if resume and checkpointer.latest_step() is not None:
+    state, meta, start = checkpointer.restore(state)
+    run.stream.set_state(meta["data"])
+  log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None)
+  metrics: dict[str, float] = {}
+  progress = _progress(cfg, start)
+  try:
+    for step in range(start, cfg.steps):
+      state, metrics = train_step(run, state, step)
+      if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
+        metrics.update(evaluate_problems(run, state))
+      if step == start:
+        metrics.update({f"data_{k}": float(v) for k, v in run.data_report.items()})
+      log.write(step, metrics)
+      progress.update(1)
+      progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", entropy=f"{metrics['entropy']:.3f}")
+      done = step + 1
+      if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+        checkpointer.save(done, state, _checkpoint_meta(run, done))
+  finally:
+    progress.close()
+    checkpointer.close()
+    log.close()
+  return metrics
+
+
+def _progress(cfg: TrainConfig, start: int):
+  from tqdm.auto import tqdm
+
+  return tqdm(total=cfg.steps, initial=start, desc=os.path.basename(cfg.run_dir.rstrip("/")),
+              disable=not cfg.progress, dynamic_ncols=True)

@@ -1,0 +1,55 @@
+"""The paper's figures from one or several runs' ``metrics.jsonl``, side by side, as PNG.
+
+Panels: policy entropy; reward and accuracy (with evaluation Avg@K where logged); PPO
+clip fractions and entropy-mask fractions; the Corollary 4 forecast of the entropy
+change against the measured change (where ``forecast_every`` was set).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from rft_jax.train.metrics_log import read_metrics
+
+
+def _series(records, key):
+  points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+  return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
+  """Draws the runs' curves into ``out_path`` (PNG) and returns the path."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  runs = {os.path.basename(os.path.normpath(d)): read_metrics(d) for d in run_dirs}
+  fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+  for name, records in runs.items():
+    axes[0].plot(*_series(records, "entropy"), label=name)
+    line, = axes[1].plot(*_series(records, "accuracy"), label=f"{name} train acc")
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval_") and "avg@" in k})
+    for key in eval_keys:
+      axes[1].plot(*_series(records, key), "o--", color=line.get_color(), label=f"{name} {key[5:]}")
+    for key, style in (("clip_frac_low", ":"), ("clip_frac_high", "--"), ("mask_frac", "-")):
+      axes[2].plot(*_series(records, key), style, label=f"{name} {key}")
+    steps, measured = _series(records, "entropy_change_measured")
+    forecast = {r["step"]: r["entropy_change_forecast"] for r in records}
+    if steps:
+      axes[3].scatter([forecast[s] for s in steps], measured, s=12, label=name)
+  titles = ("policy entropy (nats / token)", "accuracy", "clip and mask fractions",
+            "entropy change: forecast vs measured")
+  for ax, title in zip(axes, titles):
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    if ax.has_data():
+      ax.legend(fontsize=7)
+  axes[3].set_xlabel("forecast -lr Cov(A, S* - E[S])")
+  axes[3].set_ylabel("measured")
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  fig.savefig(out_path, dpi=110)
+  plt.close(fig)
+  return out_path

@@ -1,0 +1,44 @@
+"""The demo's building blocks: the synthetic task, the character tokenizer, SFT."""
+
+import numpy as np
+from flax import nnx
+
+from rft_jax.demo.build import demo_model_config
+from rft_jax.demo.task import addition_problems, worked_answer
+from rft_jax.demo.tokenizer import build_char_tokenizer
+from rft_jax.models import Qwen, chat_token_ids, load_tokenizer
+from rft_jax.rewards import RewardConfig, score_batch
+from rft_jax.train.sft import SFTConfig, encode_pairs, sft
+
+
+def test_task_is_deterministic_and_graded_by_the_math_reward():
+  a, b = addition_problems(50, seed=1), addition_problems(50, seed=1)
+  assert a == b and len({p.id for p in a}) == 50
+  assert all(int(p.answer) == sum(map(int, p.id.split("+"))) for p in a)
+  texts = [worked_answer(p) for p in a[:4]] + ["no box " + a[4].answer]
+  result = score_batch(texts, [p.answer for p in a[:5]], ["stop"] * 5, [10] * 5, RewardConfig(num_workers=1))
+  assert result.reward.tolist() == [1, 1, 1, 1, 0]
+
+
+def test_char_tokenizer_round_trips_and_has_a_chat_template(tmp_path):
+  build_char_tokenizer(str(tmp_path))
+  tok = load_tokenizer(str(tmp_path))
+  text = "What is 12 + 30? 12+30=42. \\boxed{42}"
+  assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+  ids = chat_token_ids(tok, "What is 1 + 2?")
+  assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.eos_token == "<|im_end|>"
+
+
+def test_sft_lowers_the_response_loss(tmp_path):
+  tok = build_char_tokenizer(str(tmp_path))
+  config = demo_model_config(len(tok))
+  model = Qwen(config.replace(num_hidden_layers=1, hidden_size=64, intermediate_size=128, head_dim=16), rngs=nnx.Rngs(0))
+  problems = addition_problems(64, seed=0, max_digits=1)
+  prompts = [chat_token_ids(tok, p.question) for p in problems]
+  responses = [tok(worked_answer(p) + "<|im_end|>", add_special_tokens=False)["input_ids"] for p in problems]
+  ids, mask, attention = encode_pairs(prompts, responses, max_len=64)
+  assert mask.sum() == sum(len(r) for r in responses) and (attention.sum(1) == mask.sum(1) + [len(p) for p in prompts]).all()
+  losses = []
+  sft(model, ids, mask, attention, SFTConfig(steps=40, batch_size=16, lr=3e-3, warmup_steps=5),
+      log=lambda step, loss: losses.append(loss))
+  assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])

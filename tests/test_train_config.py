@@ -1,0 +1,60 @@
+"""The config tree: YAML + dotted overrides into dataclasses, with errors naming the key."""
+
+import glob
+import os
+
+import pytest
+
+from rft_jax.train.config import ConfigError, TrainConfig, load_config
+
+REQUIRED = ["model.path=/m", "data.train_path=/d.jsonl"]
+
+
+def write(tmp_path, text):
+  path = tmp_path / "c.yaml"
+  path.write_text(text)
+  return str(path)
+
+
+def test_yaml_and_overrides_merge_into_dataclasses(tmp_path):
+  path = write(tmp_path, "steps: 7\nlearner:\n  lr: 2.0e-6\n  entropy_mask:\n    kind: clip_b\n")
+  cfg = load_config(path, REQUIRED + ["sampling.n=4", "learner.micro_batch_size=4"])
+  assert isinstance(cfg, TrainConfig)
+  assert cfg.steps == 7 and cfg.learner.lr == 2e-6 and cfg.sampling.n == 4
+  assert cfg.learner.entropy_mask.kind == "clip_b" and cfg.learner.entropy_mask.resolved_mu_low == 2.5
+  assert cfg.learner.temperature == cfg.sampling.temperature  # derived, one source of truth
+  assert cfg.learner.max_len == cfg.sampling.max_new_tokens
+
+
+@pytest.mark.parametrize("override,message", [
+    ("learner.lrr=1", "lrr"),
+    ("learner.lr=fast", "learner.lr"),
+    ("sampling.n=1", "sampling.n=1"),
+    ("learner.micro_batch_size=7", "do not split"),
+    ("learner.temperature=0.5", "learner.temperature=0.5 differs from sampling.temperature"),
+    ("learner.entropy_mask.kind=clipb", "entropy_mask.kind='clipb'"),
+    ("rewards.scheme=nope", "nope"),
+    ("model.dtype=float16", "model.dtype"),
+    ("steps", "not of the form key=value"),
+])
+def test_bad_values_name_the_key(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(None, REQUIRED + [override])
+
+
+def test_required_paths_and_missing_file(tmp_path):
+  with pytest.raises(ConfigError, match="model.path is required"):
+    load_config(None, ["data.train_path=/d"])
+  with pytest.raises(ConfigError, match="config file not found"):
+    load_config(str(tmp_path / "none.yaml"), REQUIRED)
+  with pytest.raises(ConfigError, match=r"c.yaml: .*typo"):
+    load_config(write(tmp_path, "typo: 1\n"), REQUIRED)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))),
+                         ids=os.path.basename)
+def test_shipped_configs_load_once_paths_are_set(path):
+  cfg = load_config(path, REQUIRED)
+  assert cfg.data.prompts_per_step == 64 and cfg.learner.lr == 4e-7
+  assert cfg.sampling.temperature == 1.0 and cfg.eval.temperature == 0.7
+  assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)

@@ -1,0 +1,116 @@
+"""End-to-end runs of the training loop on a tiny random Qwen and a synthetic dataset."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from hf_fixtures import make_tiny_qwen, make_tiny_tokenizer
+from rft_jax import cli
+from rft_jax.train.config import load_config
+from rft_jax.train.loop import train
+from rft_jax.train.metrics_log import read_metrics
+
+QUESTIONS = ["what is 1+1 ?", "be brief", "what is ?", "1+1 ?", "what 1+1", "is 1+1 ?", "be what ?", "brief 1+1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("loop")
+  model_dir = make_tiny_qwen(root, "qwen3", vocab=128)
+  for f in make_tiny_tokenizer(root).iterdir():
+    shutil.copy(f, model_dir / f.name)
+  data = root / "train.jsonl"
+  data.write_text("".join(json.dumps({"question": q, "answer": str(i % 3)}) + "\n" for i, q in enumerate(QUESTIONS)))
+  return root, model_dir, data
+
+
+def overrides(setup, run_dir, steps, *extra):
+  root, model_dir, data = setup
+  return [f"run_dir={run_dir}", f"steps={steps}", f"model.path={model_dir}", f"data.train_path={data}",
+          "data.val_size=2", "data.prompts_per_step=2", "data.max_prompt_len=64", "sampling.n=4",
+          "sampling.max_new_tokens=6", "learner.micro_batch_size=4", "learner.lr=1e-3",
+          "learner.forecast_every=2", "rewards.num_workers=1", "mesh.data=4", "mesh.model=2",
+          "eval.every=3", "eval.val_k=2", "progress=false", *extra]
+
+
+VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "sample_tokens_per_s")
+
+
+def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
+  run_dir = tmp_path / "run"
+  assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2")]) == 0
+  records = read_metrics(str(run_dir))
+  assert [r["step"] for r in records] == [0, 1, 2]
+  for key in ("loss", "entropy", "reward_mean", "accuracy", "response_length_mean", "truncated_frac",
+              "zero_variance_group_frac", "time_sample", "time_learner", "entropy_change_forecast",
+              "clip_frac_low", "mask_frac"):
+    assert key in records[-1] and np.isfinite(records[-1][key]), key
+  assert "entropy_change_measured" in records[0]
+  assert 0.0 <= records[-1]["eval_val_avg@2"] <= 1.0 and 0.0 <= records[-1]["eval_val_pass@2"] <= 1.0
+  assert records[0]["data_prompts_too_long"] == 0 and records[0]["data_train_prompts"] == 6
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
+  assert list((run_dir / "tensorboard").iterdir())
+  assert cli.main(["plot", str(run_dir), "--out", str(tmp_path / "plots.png")]) == 0
+  assert (tmp_path / "plots.png").stat().st_size > 10_000
+  out = tmp_path / "hf"
+  assert cli.main(["export", str(run_dir), str(out)]) == 0
+  assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+
+
+def test_kill_and_resume_across_an_epoch_boundary_matches_an_uninterrupted_run(setup, tmp_path):
+  """6 train prompts, 2 per step: an epoch is 3 steps. 6 steps straight vs 3, stop, resume."""
+  straight = train(load_config(None, overrides(setup, tmp_path / "a", 6)))
+  train(load_config(None, overrides(setup, tmp_path / "b", 3)))
+  resumed = train(load_config(None, overrides(setup, tmp_path / "b", 6)))
+  a, b = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
+  assert [r["step"] for r in b] == list(range(6))
+  for ra, rb in zip(a, b):
+    for key in ra:
+      if key not in VOLATILE:
+        assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+  assert straight["loss"] == pytest.approx(resumed["loss"], rel=1e-6, abs=1e-9)
+
+
+def test_bad_inputs_give_one_line_errors(setup, tmp_path, capsys):
+  assert cli.main(["train", *overrides(setup, tmp_path / "r", 1, "learner.lrr=1")]) == 2
+  assert "lrr" in capsys.readouterr().err
+  root, model_dir, data = setup
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"question": "what", "answer": ""}) + "\n")
+  args = overrides(setup, tmp_path / "r", 1) + [f"data.train_path={bad}", "data.val_size=0"]
+  assert cli.main(["train", *args]) == 2
+  assert "row 0: field 'answer'" in capsys.readouterr().err
+  args = overrides(setup, tmp_path / "r", 1) + [f"data.train_path={tmp_path / 'missing.jsonl'}"]
+  assert cli.main(["train", *args]) == 2
+  assert "no such file" in capsys.readouterr().err
+
+
+def test_pass_rate_filter_bounds():
+  from rft_jax.data import MathExample
+  from rft_jax.train.filter import pass_rate_filter
+
+  problems = [MathExample(f"q{i}", "1", str(i)) for i in range(4)]
+  correct = np.zeros((4, 16), bool)
+  correct[1, :1] = True   # 1/16: dropped (<= low)
+  correct[2, :8] = True   # 8/16: kept
+  correct[3, :15] = True  # 15/16: dropped (>= high)
+  kept, rates = pass_rate_filter(problems, correct)
+  assert [p.id for p in kept] == ["2"] and rates.tolist() == [0, 1 / 16, 0.5, 15 / 16]
+  with pytest.raises(ValueError, match="low < high"):
+    pass_rate_filter(problems, correct, low=0.9, high=0.1)
+
+
+def test_eval_and_filter_commands_on_an_hf_directory(setup, tmp_path, capsys):
+  root, model_dir, data = setup
+  common = ["--model", str(model_dir), "--data", str(data), "--k", "2", "--max-new-tokens", "4"]
+  assert cli.main(["eval", *common, "--histogram", str(tmp_path / "hist.png")]) == 0
+  summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert 0 <= summary["avg@2"] <= summary["pass@2"] <= 1 and summary["problems"] == len(QUESTIONS)
+  assert (tmp_path / "hist.png").stat().st_size > 1000
+  assert cli.main(["filter", *common, "--out", str(tmp_path / "filtered")]) == 0
+  rates = [json.loads(l) for l in (tmp_path / "filtered" / "pass_rates.jsonl").read_text().splitlines()]
+  assert len(rates) == len(QUESTIONS) and all(r["pass_rate"] in (0.0, 0.5, 1.0) for r in rates)
+  kept = (tmp_path / "filtered" / "kept.jsonl").read_text().splitlines()
+  assert len(kept) == sum(r["pass_rate"] == 0.5 for r in rates)
