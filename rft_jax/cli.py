@@ -114,6 +114,13 @@ def _eval(args: argparse.Namespace) -> int:
   return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+  from rft_jax.demo.run import run_demo
+
+  run_demo(args.config, args.overrides)
+  return 0
+
+
 def _filter(args: argparse.Namespace) -> int:
   from rft_jax.train.filter import pass_rate_filter, write_filtered
 
@@ -146,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--no-resume", action="store_true", help="start over even if RUN_DIR has checkpoints")
   train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6")
   train.set_defaults(func=_train)
+
+  demo = sub.add_parser("demo", help="GRPO vs Clip_B vs Clip_V on the embedded synthetic task")
+  demo.add_argument("--config", default="configs/demo.yaml")
+  demo.add_argument("overrides", nargs="*", help="dotted overrides for all three runs, e.g. steps=10")
+  demo.set_defaults(func=_demo)
 
   export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
   export.add_argument("run_dir")

@@ -114,3 +114,12 @@ def test_eval_and_filter_commands_on_an_hf_directory(setup, tmp_path, capsys):
   assert len(rates) == len(QUESTIONS) and all(r["pass_rate"] in (0.0, 0.5, 1.0) for r in rates)
   kept = (tmp_path / "filtered" / "kept.jsonl").read_text().splitlines()
   assert len(kept) == sum(r["pass_rate"] == 0.5 for r in rates)
+
+
+def test_dynamic_sampling_refills_and_still_fills_the_batch(setup, tmp_path):
+  """An untrained model scores 0 everywhere: every group has zero variance, so each step
+  refills up to max_refills and then trains on the flat groups it has (advantages 0)."""
+  metrics = train(load_config(None, overrides(setup, tmp_path / "d", 1, "dynamic_sampling=true",
+                                              "max_refills=2", "eval.every=0")))
+  assert metrics["refills"] == 2.0 and metrics["zero_variance_group_frac"] == 1.0
+  assert metrics["response_tokens"] > 0
