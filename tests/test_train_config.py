@@ -51,10 +51,17 @@ def test_required_paths_and_missing_file(tmp_path):
     load_config(write(tmp_path, "typo: 1\n"), REQUIRED)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))),
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen*.yaml"))),
                          ids=os.path.basename)
 def test_shipped_configs_load_once_paths_are_set(path):
   cfg = load_config(path, REQUIRED)
   assert cfg.data.prompts_per_step == 64 and cfg.learner.lr == 4e-7
   assert cfg.sampling.temperature == 1.0 and cfg.eval.temperature == 0.7
   assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)
+
+
+def test_demo_config_loads_and_its_batches_split_on_eight_devices():
+  cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"))
+  assert cfg.model.path == "rft_jax/demo/checkpoint" and cfg.data.instruction == ""
+  assert (cfg.data.prompts_per_step * cfg.sampling.n) % (cfg.learner.micro_batch_size * cfg.learner.mini_batches) == 0
+  assert cfg.learner.micro_batch_size % 8 == 0
