@@ -4,7 +4,8 @@ Default mode: a random Qwen2.5-style model (hidden 256, 4 layers, vocab 8192 by 
 with transformers in a temporary directory and loaded with ``load_hf``; the same 32 prompts
 (random lengths) sampled at the same temperature for the same ``max_new_tokens`` (no stop
 tokens, so every row generates them all) by ``rft_jax`` and by transformers' ``generate``
-(torch, ``do_sample=True``, ``torch.set_num_threads(cores)``). Prints tokens/s of both and their
+(torch, ``do_sample=True``, ``torch.set_num_threads(cores)``; the two alternate run by run, so
+that both see the same machine load). Prints tokens/s of both and their
 ratio; rft_jax's first call (compilation) is timed separately and excluded.
 
     python benchmarks/sampler.py [--batch 32] [--new-tokens 128] [--repeats 3]
@@ -92,11 +93,11 @@ class RftJax:
 class Transformers:
   """transformers' ``generate`` (torch, eager, one thread per core) on the same prompts."""
 
-  def __init__(self, path: str, prompts, new_tokens: int, temperature: float):
+  def __init__(self, path: str, prompts, new_tokens: int, temperature: float, threads: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     self.torch = torch
     self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     width = max(len(p) for p in prompts)
@@ -129,9 +130,11 @@ def compare(args) -> None:
     print(f"backend {jax.default_backend()} ({jax.device_count()} devices), {os.cpu_count()} "
           f"cores; Qwen2-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
           f"batch {args.batch}, prompts {args.min_prompt}-{args.max_prompt} tokens, "
-          f"{args.new_tokens} new tokens, T={args.temperature}")
+          f"{args.new_tokens} new tokens, T={args.temperature}, torch threads "
+          f"{args.torch_threads}, load average {os.getloadavg()[0]:.1f}")
     samplers = {"rft_jax": RftJax(path, prompts, args.new_tokens, args.temperature),
-                "transformers": Transformers(path, prompts, args.new_tokens, args.temperature)}
+                "transformers": Transformers(path, prompts, args.new_tokens, args.temperature,
+                                             args.torch_threads)}
     runs = {name: [] for name in samplers}
     for r in range(args.repeats):
       for name, sampler in samplers.items():
@@ -173,8 +176,8 @@ def roofline(args) -> None:
     b = decode_bytes(config, batch, args.prompt, args.new_tokens)
     useful = b["weights"] + b["kv_useful"]
     read = b["weights"] + b["kv_read"]
-    line = (f"batch {batch:4d}: weights {b['weights'] / 1e9:6.3f} GB, KV useful "
-            f"{b['kv_useful'] / 1e9:6.3f} GB / read {b['kv_read'] / 1e9:6.3f} GB per step; "
+    line = (f"batch {batch:4d}: weights {b['weights'] / 1e6:8.1f} MB, KV useful "
+            f"{b['kv_useful'] / 1e6:8.1f} MB / read {b['kv_read'] / 1e6:8.1f} MB per step; "
             f"bound {useful / bandwidth * 1e3:7.3f} ms (useful) {read / bandwidth * 1e3:7.3f} ms "
             f"(read)")
     if args.dry_run:
@@ -210,6 +213,8 @@ def main() -> None:
   parser.add_argument("--vocab", type=int, default=8192)
   parser.add_argument("--min-prompt", type=int, default=16)
   parser.add_argument("--max-prompt", type=int, default=48)
+  parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                      help="torch.set_num_threads for transformers (default: the core count)")
   parser.add_argument("--roofline", action="store_true")
   parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
   parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])

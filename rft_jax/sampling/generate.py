@@ -67,13 +67,15 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
     raise ValueError(f"generate: seed={seed!r} must be an integer in [0, 2**32)")
   graphdef, state = nnx.split(model)
   data = 1
-  if mesh is not None:
+  if mesh is None:
+    rules = ()  # unused; a constant keeps the compiled-program key stable
+  else:
     if DATA_AXIS not in mesh.shape:
       raise ValueError(f"generate: the mesh {dict(mesh.shape)} has no {DATA_AXIS!r} axis")
     data = mesh.shape[DATA_AXIS]
     _check_on_mesh(state, mesh)
-    rules = ((("batch", DATA_AXIS),) + tuple(rules))
-  rules = tuple(tuple(rule) for rule in rules)
+    rules = tuple((name, tuple(target) if isinstance(target, list) else target)
+                  for name, target in (("batch", DATA_AXIS), *rules))  # hashable
 
   num = len(prompts)
   width = prompt_length_bucket(max(len(x) for x in prompts))

@@ -106,9 +106,8 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
                 fingerprints: UInt32[Array, "B 3"], live: Bool[Array, "B"],
                 seed: UInt32[Array, ""], temperature: Float[Array, ""],
                 top_k: Int[Array, ""], top_p: Float[Array, ""], *, spec: LoopSpec,
-                mesh: Mesh | None,
-                rules: Rules) -> tuple[LoopState, KVCache]:
-  """Samples ``params.n`` completions of every prompt (see the module docstring).
+                mesh: Mesh | None, rules: Rules) -> tuple[LoopState, KVCache]:
+  """Samples ``spec.n`` completions of every prompt (see the module docstring).
 
   Args:
     graphdef, state: ``nnx.split(model)``; the parameter arrays are used where they are.
@@ -121,8 +120,8 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     spec, mesh, rules: static; with a mesh, rows are laid out over its ``data`` axis.
 
   Returns:
-    The final :class:`LoopState` (row ``b * n + j`` is sample ``j`` of prompt ``b``), cache
-    included.
+    The final :class:`LoopState` without its cache (row ``b * n + j`` is sample ``j`` of prompt
+    ``b``), and the cache (returned so that the donated buffer is reused in place).
   """
   model = nnx.merge(graphdef, state)
   b, p = prompt_ids.shape

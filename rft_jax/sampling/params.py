@@ -14,6 +14,9 @@ class SamplingParams:
   ``top_k`` largest entries and then to the smallest set of top entries whose probability mass
   reaches ``top_p`` (the Hugging Face order: temperature, top-k, top-p). ``temperature=0``
   is greedy decoding (argmax of :math:`z`; ``top_k`` and ``top_p`` then change nothing).
+  The log-probabilities returned with the tokens are under :math:`\mathrm{softmax}(z / T)` of
+  the full vocabulary, before truncation (:math:`\mathrm{softmax}(z)` when greedy), the
+  distribution the learner's ratio is computed under.
 
   ``n``, ``max_new_tokens``, ``stop_token_ids`` and whether decoding is greedy or truncated
   (``top_k > 0`` or ``top_p < 1``) shape the compiled program; the values of ``temperature``,
