@@ -8,6 +8,7 @@ paper-style plots of the three runs into ``RUN_DIR/demo.png``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Sequence
@@ -64,7 +65,8 @@ def run_demo(config_path: str = "configs/demo.yaml", overrides: Sequence[str] = 
   summaries = {}
   for name in variants:
     cfg = load_config(config_path, [*overrides, *VARIANTS[name], f"run_dir={os.path.join(base.run_dir, name)}",
-                                    f"data.train_path={train_path}", f"eval.sets.0.path={heldout_path}"])
+                                    f"data.train_path={train_path}"])
+    cfg.eval.sets = [dataclasses.replace(s, path=heldout_path) for s in cfg.eval.sets]
     train(cfg, resume=False)
     summaries[name] = _summary(cfg.run_dir)
   k = base.eval.sets[0].k if base.eval.sets else 0

@@ -1,0 +1,30 @@
+"""A shortened run of the embedded demo (the README's main job) on the shipped checkpoint."""
+
+import os
+
+import numpy as np
+
+from rft_jax.demo.run import run_demo
+from rft_jax.models import load_hf
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CHECKPOINT = os.path.join(ROOT, "rft_jax", "demo", "checkpoint")
+
+
+def test_shipped_checkpoint_loads_through_load_hf():
+  model = load_hf(CHECKPOINT)
+  assert model.config.model_type == "qwen3" and model.config.qk_norm
+  assert os.path.exists(os.path.join(CHECKPOINT, "tokenizer.json"))
+  size = sum(os.path.getsize(os.path.join(CHECKPOINT, f)) for f in os.listdir(CHECKPOINT))
+  assert size < 12 * 2**20  # a few MB in the repository
+
+
+def test_short_demo_prints_a_table_and_draws_plots(tmp_path, capsys):
+  overrides = [f"run_dir={tmp_path}", f"model.path={CHECKPOINT}", "steps=2", "eval.every=2",
+               "progress=false", "data.prompts_per_step=8"]
+  summaries = run_demo(os.path.join(ROOT, "configs", "demo.yaml"), overrides, variants=("grpo", "clip_b"))
+  out = capsys.readouterr().out
+  assert "variant" in out and "clip_b" in out and "Avg@" in out
+  for s in summaries.values():
+    assert 0 <= s["heldout_avg"] <= s["heldout_pass"] <= 1 and np.isfinite(s["entropy_final"])
+  assert os.path.getsize(tmp_path / "demo.png") > 10_000
