@@ -25,7 +25,8 @@ from rft_jax.train.plots import plot_runs
 VARIANTS = {
     "grpo": ["learner.entropy_mask.kind=none"],
     "clip_b": ["learner.entropy_mask.kind=clip_b"],
-    "clip_v": ["learner.entropy_mask.kind=clip_v"],
+    # The released max_frac=1e-4 of a demo batch (~3,000 tokens) is a budget of 0 tokens.
+    "clip_v": ["learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.01"],
 }
 
 
