@@ -83,6 +83,11 @@ def merge_rows(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def merge_counts(a: dict, b: dict) -> dict:
+  """Combines per-update clip counts: sums, except ``ratio_dev_max`` (a maximum)."""
+  return {k: jnp.maximum(a[k], v) if k == "ratio_dev_max" else a[k] + v for k, v in b.items()}
+
+
 def make_optimizer(config: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW (betas b1, b2, decoupled weight decay) with optional global-norm clipping."""
   if config.schedule == "constant":
@@ -212,8 +217,7 @@ class Learner:
     def accumulate(carry, micro):
       grads, loss, counts = carry
       (micro_loss, micro_counts), micro_grads = grad_fn(state.params, micro, normaliser, first_update)
-      counts = {k: jnp.maximum(counts[k], v) if k == "ratio_dev_max" else counts[k] + v
-                for k, v in micro_counts.items()}
+      counts = merge_counts(counts, micro_counts)
       return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), None
 
     zero_counts = {"clipped_low": 0, "clipped_high": 0, "clipped_dual": 0, "ratio_dev_max": 0.0}
@@ -256,9 +260,7 @@ class Learner:
         state, loss, grad_norm, mini_counts = self._update(state, mini, first_update=updates_done == 0)
         losses.append(loss)
         grad_norms.append(grad_norm)
-        counts = mini_counts if counts is None else {
-            k: jnp.maximum(counts[k], v) if k == "ratio_dev_max" else counts[k] + v
-            for k, v in mini_counts.items()}
+        counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
         updates_done += 1
 
     valid = response > 0
