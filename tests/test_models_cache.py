@@ -100,7 +100,9 @@ def test_split_merge_jax_jit_and_while_loop_carry(tmp_path):
 def test_cache_shapes_and_dtype(model):
   c = model.config
   cache = model.init_cache(2, 8, dtype=jnp.bfloat16)
-  assert cache.k.shape == (c.num_hidden_layers, 2, 8, c.num_key_value_heads, c.head_dim)
-  assert cache.k.dtype == jnp.bfloat16 and cache.max_len == 8
+  assert len(cache.k) == len(cache.v) == c.num_hidden_layers
+  assert cache.k[0].shape == (2, c.num_key_value_heads, c.head_dim, 8)
+  assert cache.v[0].shape == (2, c.num_key_value_heads, 8, c.head_dim)
+  assert cache.dtype == jnp.bfloat16 and cache.max_len == 8
   with pytest.raises(ValueError, match="exceed the cache length 8"):
     model.prefill(jnp.ones((2, 9), jnp.int32), jnp.ones((2, 9), jnp.int32), cache)

@@ -78,6 +78,7 @@ def test_forward_and_cache_shapes_at_full_size(preset):
   step, cache = nnx.eval_shape(lambda m, t, c: m.decode_step(t, c), model,
                                jax.ShapeDtypeStruct((2,), jnp.int32), cache)
   assert step.shape == (2, config.vocab_size)
-  assert cache.k.shape == (config.num_hidden_layers, 2, 64, config.num_key_value_heads,
-                           config.head_dim)
-  assert cache.k.dtype == jnp.bfloat16
+  assert len(cache.k) == config.num_hidden_layers
+  assert cache.k[0].shape == (2, config.num_key_value_heads, config.head_dim, 64)
+  assert cache.v[-1].shape == (2, config.num_key_value_heads, 64, config.head_dim)
+  assert cache.dtype == jnp.bfloat16

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hf_fixtures import make_tiny_qwen
-from rft_jax.models import KVCache, load_hf
+from rft_jax.models import load_hf
 from rft_jax.parallel import (DEFAULT_RULES, FSDP_RULES, TP_RULES, logical_to_spec, make_mesh,
                               shard_model, state_shardings, tree_shardings)
 
@@ -72,7 +72,7 @@ def test_load_onto_mesh_shards_parameters_and_keeps_logits(ckpt, data, model, ex
     return
   # The cache path on the mesh, with the cache sharded by its logical axes.
   cache = sharded.init_cache(ids.shape[0], 8)
-  cache = jax.device_put(cache, tree_shardings(cache, KVCache.logical_axes(), mesh))
+  cache = jax.device_put(cache, tree_shardings(cache, cache.logical_axes(), mesh))
   logits, cache = _prefill(sharded, ids, mask, cache)
   np.testing.assert_allclose(np.asarray(logits), ref[:, -1], atol=1e-5, rtol=1e-5)
 

@@ -14,7 +14,7 @@ from flax import nnx
 from hf_fixtures import hf_model, make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.sampling import SamplingParams, generate, learner_arrays
-from rft_jax.sampling.loop import sample_loop
+from rft_jax.sampling.loop import sample_loop, segment_ends
 
 VOCAB = 128
 PROMPTS = [[5, 17, 9, 33, 71, 2, 40], [88, 3], [12, 99, 64, 120, 7], [101]]
@@ -171,6 +171,25 @@ def test_logprobs_equal_a_full_forward(model):
     diff = np.abs(np.where(mask, target - arrays["sampler_logp"][:, 1:], 0.0)).max()
     print(f"\n[T={params.temperature}] max |sampler logp - forward logp| = {diff:.1e}")
     assert diff <= 1e-4
+
+
+def test_growing_cache_segments_change_nothing(model):
+  """Decoding in segments with growing caches (the default) equals one full-size cache: same
+  tokens, log-probs to float32 rounding, also when every row stops inside the first segment."""
+  assert segment_ends(128, 4) == (16, 32, 64, 128) and segment_ends(40, 4) == (20, 40)
+  assert segment_ends(40, 1) == (40,) and segment_ends(8, 4) == (8,)
+  params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, cache_segments=1)
+  whole = generate(model, PROMPTS, params, seed=5)
+  split = generate(model, PROMPTS, dataclasses.replace(params, cache_segments=4), seed=5)
+  np.testing.assert_array_equal(split.completion_ids, whole.completion_ids)
+  np.testing.assert_allclose(split.logprobs, whole.logprobs, atol=1e-5)
+  assert (whole.completion_lengths == 40).all()
+  # Every row stops within its first 3 tokens, inside the first segment.
+  stops = tuple(sorted({int(t) for t in whole.completion_ids[:, :3].ravel()}))
+  early = generate(model, PROMPTS, dataclasses.replace(params, cache_segments=4,
+                                                       stop_token_ids=stops), seed=5)
+  assert (early.finish_reason == "stop").all() and early.completion_lengths.max() <= 3
+  np.testing.assert_array_equal(early.completion_ids[:, :1], whole.completion_ids[:, :1])
 
 
 # ---------------------------------------------------------------------------------------------

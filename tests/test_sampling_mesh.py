@@ -48,7 +48,8 @@ def test_cache_and_errors_on_mesh(ckpt):
   mesh = make_mesh(data=4, model=2)
   model = load_hf(ckpt)
   cache = empty_cache(model.config, 16, 24, mesh=mesh)
-  assert cache.k.sharding == NamedSharding(mesh, P(None, "data", None, "model", None))
+  assert cache.k[0].sharding == NamedSharding(mesh, P("data", "model", None, None))
+  assert cache.v[-1].sharding == NamedSharding(mesh, P("data", "model", None, None))
   assert cache.slot_mask.sharding == NamedSharding(mesh, P("data", None))
   with pytest.raises(ValueError, match="is not laid out on the given mesh"):
     generate(model, PROMPTS, PARAMS, seed=0, mesh=mesh)

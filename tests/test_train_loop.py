@@ -35,7 +35,7 @@ def overrides(setup, run_dir, steps, *extra):
           "eval.every=3", "eval.val_k=2", "progress=false", *extra]
 
 
-VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "sample_tokens_per_s")
+VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "time_eval", "sample_tokens_per_s")
 
 
 def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
@@ -49,6 +49,7 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
     assert key in records[-1] and np.isfinite(records[-1][key]), key
   assert "entropy_change_measured" in records[0]
   assert 0.0 <= records[-1]["eval_val_avg@2"] <= 1.0 and 0.0 <= records[-1]["eval_val_pass@2"] <= 1.0
+  assert records[-1]["time_eval"] > 0 and "time_eval" not in records[0]  # eval on step 2 only
   assert records[0]["data_prompts_too_long"] == 0 and records[0]["data_train_prompts"] == 6
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
   assert list((run_dir / "tensorboard").iterdir())

@@ -44,6 +44,25 @@ def attend(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], v: Float[Arra
   return out.reshape(b, t, n, h)
 
 
+def attend_cache(q: Float[Array, "B T N H"], k_cache: Float[Array, "B K H S"],
+                 v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B T S"]
+                 ) -> Float[Array, "B T N H"]:
+  r""":func:`attend` against a :class:`~rft_jax.models.kv_cache.KVCache` layer's layout.
+
+  The same masked softmax attention, with keys stored transposed (slots last) so that both
+  products are plain batched matrix products over contiguous slots.
+  """
+  b, t, n, h = q.shape
+  kv_heads = k_cache.shape[1]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+  scores = jnp.einsum("bkgth,bkhs->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+  scores = scores * (h ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+  out = jnp.einsum("bkgts,bksh->bkgth", probs, v_cache)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
 class Attention(nnx.Module):
   """The projections around :func:`attend`; the caller chooses the keys (fresh or cached)."""
 

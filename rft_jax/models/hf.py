@@ -25,6 +25,7 @@ from rft_jax.models import hf_keys, safetensors_io
 from rft_jax.models.config import QwenConfig
 from rft_jax.models.errors import CheckpointError
 from rft_jax.models.model import Qwen
+from rft_jax.parallel.multihost import global_array
 from rft_jax.parallel.sharding import DEFAULT_RULES, Rules, named_sharding, variable_axes
 
 CONFIG_FILE = "config.json"
@@ -126,7 +127,7 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
     sharding = sharding_of(var)
     if spec.layer is None:
       y = hf_keys.to_nnx(x, spec, target.shape).astype(target.dtype, copy=False)
-      values[spec.rule.nnx] = jax.device_put(y, sharding)
+      values[spec.rule.nnx] = global_array(y, sharding)
       return
     y = hf_keys.to_nnx(x, spec, target.shape[1:]).astype(target.dtype, copy=False)
     row_sharding = (device if mesh is None
@@ -134,7 +135,7 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
     buf = values.get(spec.rule.nnx)
     if buf is None:
       buf = _zeros(target.shape, target.dtype, sharding)()
-    values[spec.rule.nnx] = _set_row(sharding)(buf, jax.device_put(y, row_sharding), spec.layer)
+    values[spec.rule.nnx] = _set_row(sharding)(buf, global_array(y, row_sharding), spec.layer)
 
   by_file: dict[Path, list[str]] = {}
   for name in expected:

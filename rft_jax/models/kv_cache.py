@@ -5,6 +5,14 @@ row (padding slots flagged off in ``slot_mask``), and each decode step writes sl
 every row. A query at slot ``t`` sees slot ``s`` iff ``s <= t`` and ``slot_mask[b, s]``. RoPE
 positions count real tokens per row, so row ``b`` of a padded batch sees exactly what it would
 see alone.
+
+Layout, chosen for decoding (one query per row reading every slot):
+
+* one array per layer, not one stacked ``[L, ...]`` array: a decode step updates and reads each
+  layer's cache in place, where a stacked cache in a ``scan`` carry is sliced (copied) per layer;
+* keys transposed, ``[B, K, H, S]``: the score product ``q k^T`` is then a plain row-by-matrix
+  product over contiguous slots (about 3x faster on CPU than the ``[B, S, K, H]`` layout);
+  values stay ``[B, K, S, H]`` for the probability-by-value product.
 """
 
 from __future__ import annotations
@@ -15,14 +23,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.config import QwenConfig
 
-# Logical axis names of the cache arrays, for rft_jax.parallel.sharding.
-CACHE_AXES = {
-    "k": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-    "v": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-    "slot_mask": ("batch", "cache_seq"),
-    "positions": ("batch",),
-    "index": (),
-}
+# Logical axis names of one layer's arrays and of the shared fields (rft_jax.parallel.sharding).
+KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
+VALUE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 @flax.struct.dataclass
@@ -30,37 +33,42 @@ class KVCache:
   """Cached keys and values of every layer.
 
   Attributes:
-    k: ``[L, B, S, K, H]`` keys after RoPE (and q/k norm).
-    v: ``[L, B, S, K, H]`` values.
+    k: per layer, ``[B, K, H, S]`` keys after RoPE (and q/k norm), slots last.
+    v: per layer, ``[B, K, S, H]`` values.
     slot_mask: ``[B, S]`` True where a slot holds a real token.
     positions: ``[B]`` int32 RoPE position of each row's next token (its real-token count).
     index: ``[]`` int32 next slot to write, shared by all rows.
   """
 
-  k: Float[Array, "L B S K H"]
-  v: Float[Array, "L B S K H"]
+  k: tuple[Float[Array, "B K H S"], ...]
+  v: tuple[Float[Array, "B K S H"], ...]
   slot_mask: Bool[Array, "B S"]
   positions: Int[Array, "B"]
   index: Int[Array, ""]
 
-  @classmethod
-  def logical_axes(cls) -> KVCache:
-    """A KVCache whose fields are the logical axis names (for ``parallel.tree_shardings``)."""
-    return cls(**CACHE_AXES)
+  def logical_axes(self) -> KVCache:
+    """This cache's structure with logical axis names as leaves (``parallel.tree_shardings``)."""
+    return KVCache(k=(KEY_AXES,) * len(self.k), v=(VALUE_AXES,) * len(self.v),
+                   slot_mask=("batch", "cache_seq"), positions=("batch",), index=())
 
   @property
   def max_len(self) -> int:
     """S, the number of slots."""
-    return self.k.shape[2]
+    return self.slot_mask.shape[1]
+
+  @property
+  def dtype(self):
+    """The dtype of the cached keys and values."""
+    return self.k[0].dtype
 
 
 def init_cache(config: QwenConfig, batch: int, max_len: int, dtype=None) -> KVCache:
   """An empty cache of ``max_len`` slots for ``batch`` rows (dtype: the compute dtype)."""
   dtype = config.dtype if dtype is None else dtype
-  shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+  k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
   return KVCache(
-      k=jnp.zeros(shape, dtype),
-      v=jnp.zeros(shape, dtype),
+      k=tuple(jnp.zeros((batch, k, h, max_len), dtype) for _ in range(layers)),
+      v=tuple(jnp.zeros((batch, k, max_len, h), dtype) for _ in range(layers)),
       slot_mask=jnp.zeros((batch, max_len), jnp.bool_),
       positions=jnp.zeros((batch,), jnp.int32),
       index=jnp.zeros((), jnp.int32),

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models.attention import Attention, attend, causal_padding_mask
+from rft_jax.models.attention import Attention, attend, attend_cache, causal_padding_mask
 from rft_jax.models.config import QwenConfig
 from rft_jax.models.kv_cache import KVCache, init_cache
 from rft_jax.models.layers import MLP, RMSNorm, normal_init, param
@@ -47,34 +47,32 @@ class DecoderLayer(nnx.Module):
                    param_dtype=c.param_dtype, rngs=rngs)
 
   def __call__(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"],
-               mask: Bool[Array, "B T S"], kv=None, layer=None, index=None):
-    """One layer.
+               mask: Bool[Array, "B T T"]) -> Float[Array, "B T D"]:
+    """One layer, attending within ``x`` (``mask``: which keys each query sees)."""
+    q, k, v = self.attn.qkv(self.input_layernorm(x), positions)
+    return self._residual(x, attend(q, k, v, mask))
 
-    Args:
-      x: residual stream.
-      positions: RoPE positions of the T queries.
-      mask: which keys each query sees (S = T without a cache, S = cache length with one).
-      kv: ``None`` (attend within ``x``) or ``(k_all, v_all)`` ``[L, B, S, K, H]`` caches, into
-        which this layer writes its T new keys/values at slot ``index`` of layer ``layer``.
+  def extend(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"],
+             mask: Bool[Array, "B T S"], k_cache: Float[Array, "B K H S"],
+             v_cache: Float[Array, "B K S H"], index: Int[Array, ""]):
+    """One layer on T new tokens: writes their keys/values at slots ``[index, index + T)`` of
+    this layer's cache, then attends to the cache (``mask``: which slots each query sees).
 
     Returns:
-      ``(x, kv)`` with ``kv`` updated (``None`` without a cache).
+      ``(x, k_cache, v_cache)``.
     """
     q, k, v = self.attn.qkv(self.input_layernorm(x), positions)
-    if kv is None:
-      o = attend(q, k, v, mask)
-    else:
-      k_all, v_all = kv
-      start = (layer, 0, index, 0, 0)
-      k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-      v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-      kv = (k_all, v_all)
-      k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-      v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-      o = attend(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), mask)
+    k_cache = jax.lax.dynamic_update_slice(
+        k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index))
+    v_cache = jax.lax.dynamic_update_slice(
+        v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0))
+    o = attend_cache(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    return self._residual(x, o), k_cache, v_cache
+
+  def _residual(self, x: Float[Array, "B T D"], o: Float[Array, "B T N H"]
+                ) -> Float[Array, "B T D"]:
     x = x + self.attn.out(o)
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return x, kv
+    return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen(nnx.Module):
@@ -115,21 +113,31 @@ class Qwen(nnx.Module):
   def _embed(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.config.dtype)
 
-  def _layers(self, x, positions, mask, kv=None, index=None):
-    """Scans the stacked layers; ``kv`` (the two cache arrays) rides in the carry."""
+  def _layers(self, x, positions, mask):
+    """Scans the stacked layers (the full forward)."""
     graphdef, state = nnx.split(self.layers)
 
-    def body(carry, xs):
-      x, kv = carry
-      layer_state, layer = xs
-      x, kv = nnx.merge(graphdef, layer_state)(x, positions, mask, kv, layer, index)
-      return (x, kv), None
+    def body(x, layer_state):
+      return nnx.merge(graphdef, layer_state)(x, positions, mask), None
 
     if self.config.remat:
       body = jax.checkpoint(body, prevent_cse=False)
-    layer_ids = jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32)
-    (x, kv), _ = jax.lax.scan(body, (x, kv), (state, layer_ids))
-    return self.norm(x), kv
+    x, _ = jax.lax.scan(body, x, state)
+    return self.norm(x)
+
+  def _cached_layers(self, x, positions, mask, cache: KVCache):
+    """The layers one by one over their own caches (decoding; see ``kv_cache``'s layout note).
+
+    Unrolled rather than scanned: each layer's cache is then read and written in place.
+    """
+    graphdef, state = nnx.split(self.layers)
+    k_all, v_all = [], []
+    for i in range(self.config.num_hidden_layers):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+      x, k, v = layer.extend(x, positions, mask, cache.k[i], cache.v[i], cache.index)
+      k_all.append(k)
+      v_all.append(v)
+    return self.norm(x), tuple(k_all), tuple(v_all)
 
   # ------------------------------------------------------------------------------------------
   # Full forward.
@@ -149,8 +157,7 @@ class Qwen(nnx.Module):
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
     if positions is None:
       positions = positions_from_mask(attention_mask)
-    hidden, _ = self._layers(self._embed(input_ids), positions,
-                             causal_padding_mask(attention_mask))
+    hidden = self._layers(self._embed(input_ids), positions, causal_padding_mask(attention_mask))
     return hidden if return_hidden else self.logits(hidden)
 
   # ------------------------------------------------------------------------------------------
@@ -179,8 +186,7 @@ class Qwen(nnx.Module):
     slots = jnp.arange(cache.max_len)
     query_slots = cache.index + jnp.arange(t)
     mask = (slots[None, :] <= query_slots[:, None])[None] & slot_mask[:, None, :]
-    hidden, (k, v) = self._layers(self._embed(input_ids), positions, mask,
-                                  (cache.k, cache.v), cache.index)
+    hidden, k, v = self._cached_layers(self._embed(input_ids), positions, mask, cache)
     cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                     positions=cache.positions + jnp.sum(token_mask, axis=-1),
                     index=cache.index + t)

@@ -1,6 +1,8 @@
-"""Device meshes and the mapping of logical parameter axes onto them."""
+"""Device meshes, the mapping of logical parameter axes onto them, and the host <-> global
+array boundary of multi-process runs."""
 
 from rft_jax.parallel.mesh import MESH_AXES, make_mesh
+from rft_jax.parallel.multihost import global_array, host_array, is_main_process
 from rft_jax.parallel.sharding import (
     DEFAULT_RULES,
     FSDP_RULES,
@@ -14,6 +16,7 @@ from rft_jax.parallel.sharding import (
 )
 
 __all__ = [
-    "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "Rules", "TP_RULES", "logical_to_spec",
-    "make_mesh", "named_sharding", "shard_model", "state_shardings", "tree_shardings",
+    "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "Rules", "TP_RULES", "global_array", "host_array",
+    "is_main_process", "logical_to_spec", "make_mesh", "named_sharding", "shard_model",
+    "state_shardings", "tree_shardings",
 ]

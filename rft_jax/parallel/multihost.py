@@ -1,15 +1,26 @@
-"""Multi-host start-up: one process per host, joined by ``jax.distributed.initialize``.
+"""Multi-host start-up and the host <-> global-array boundary.
 
-The launch scripts export ``RFT_JAX_COORDINATOR`` (host:port of process 0),
-``RFT_JAX_NUM_PROCESSES`` and ``RFT_JAX_PROCESS_ID``; without them this is a no-op
-(single host).
+One process runs per host, joined by ``jax.distributed.initialize``. The launch scripts export
+``RFT_JAX_COORDINATOR`` (host:port of process 0), ``RFT_JAX_NUM_PROCESSES`` and
+``RFT_JAX_PROCESS_ID``; without them :func:`initialize_from_env` is a no-op (single host).
+
+Every process holds the same full host batch (prompts come from the same seeded stream, rewards
+are computed from the full gathered rollouts), so inputs become global arrays with
+:func:`global_array` (each process fills only its own devices' shards) and outputs come back as
+full numpy arrays with :func:`host_array` (a gather across processes when some shards live on
+other hosts). Both are correct, and cheap, on one process too. Both are collective in the sense
+that every process must make the same calls in the same order.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Sharding
 
 
 def initialize_from_env() -> bool:
@@ -24,3 +35,49 @@ def initialize_from_env() -> bool:
                              num_processes=int(os.environ["RFT_JAX_NUM_PROCESSES"]),
                              process_id=int(os.environ["RFT_JAX_PROCESS_ID"]))
   return True
+
+
+def is_main_process() -> bool:
+  """True on process 0, the one that writes logs, plots and progress bars."""
+  return jax.process_index() == 0
+
+
+def global_array(x: Any, sharding: Sharding) -> jax.Array:
+  """A global ``jax.Array`` with ``sharding`` holding ``x``, the same full value on every process.
+
+  Args:
+    x: ``[...]`` a numpy array (or anything ``np.asarray`` takes), or a ``jax.Array``; on several
+      processes it must hold the same value on each (only the shards of this process's devices
+      are read from it).
+    sharding: the target sharding, possibly over devices of other processes.
+
+  Returns:
+    ``[...]`` the array, laid out with ``sharding`` (``x`` itself when it already is); host
+    values get JAX's canonical dtype (int64 -> int32 without x64).
+  """
+  if isinstance(x, jax.Array):
+    if x.sharding == sharding:
+      return x
+    if not x.is_fully_addressable or jax.process_count() == 1:
+      return jax.device_put(x, sharding)  # a device-to-device reshard
+  x = np.asarray(x)
+  x = x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def host_array(x: Any) -> np.ndarray:
+  """The full value of ``x`` as a numpy array on this process.
+
+  Args:
+    x: ``[...]`` a ``jax.Array`` (possibly with shards on other processes' devices) or a host
+      value. When ``x`` is sharded over several processes this is a collective: every process
+      must call it.
+
+  Returns:
+    ``[...]`` numpy array with the global shape.
+  """
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  if x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

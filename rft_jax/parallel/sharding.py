@@ -23,6 +23,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rft_jax.parallel.multihost import global_array
+
 MeshAxes = Union[str, Sequence[str], None]
 Rules = Sequence[tuple[str, MeshAxes]]
 
@@ -90,14 +92,27 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def is_axis_names(x: Any) -> bool:
+  """A leaf of an axes tree: a tuple of logical axis names (``str`` or ``None``), maybe empty."""
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
 def tree_shardings(tree: Any, axes_tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
-  """Shardings of a plain pytree (e.g. a KV cache) from a same-structured tree of axis tuples."""
+  """Shardings of a plain pytree (e.g. a KV cache) from a same-structured tree of axis tuples.
+
+  Containers of the axes tree may themselves be tuples (a tuple of per-layer arrays); a tuple
+  of names is a leaf (:func:`is_axis_names`).
+  """
   return jax.tree.map(lambda axes, x: named_sharding(axes, x.shape, mesh, rules), axes_tree,
-                      tree, is_leaf=lambda x: isinstance(x, tuple))
+                      tree, is_leaf=is_axis_names)
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
-  """Moves every parameter of ``model`` to its ``NamedSharding`` on ``mesh`` (in place)."""
+  """Moves every parameter of ``model`` to its ``NamedSharding`` on ``mesh`` (in place).
+
+  On several processes every process must hold the same parameter values (e.g. the same seed
+  or checkpoint); each fills only its own devices' shards.
+  """
   state = nnx.state(model)
-  nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+  nnx.update(model, jax.tree.map(global_array, state, state_shardings(state, mesh, rules)))
   return model

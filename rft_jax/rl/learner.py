@@ -39,6 +39,7 @@ from rft_jax.entropy import (
     masked_mean,
     token_stats,
 )
+from rft_jax.parallel import global_array, host_array
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
 
@@ -146,8 +147,8 @@ class Learner:
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
     if self.mesh is not None:  # anything not laid out on the mesh (counters) is replicated
       replicated = NamedSharding(self.mesh, PartitionSpec())
-      state = jax.device_put(state, jax.tree.map(
-          lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, state))
+      state = jax.tree.map(lambda x: global_array(
+          x, x.sharding if isinstance(x.sharding, NamedSharding) else replicated), state)
     return state
 
   def model(self, state: TrainState) -> nnx.Module:
@@ -308,21 +309,36 @@ class Learner:
                    in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated))
 
+  def place_batch(self, batch: LearnerBatch) -> LearnerBatch:
+    """``batch`` as global arrays with rows over the data axis (unchanged without a mesh).
+
+    Its fields may be numpy or ``jax`` arrays; on several processes each process passes the
+    same full batch and fills only its own devices' rows (:func:`rft_jax.parallel.global_array`).
+    """
+    if self.mesh is None:
+      return batch
+    rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+    return jax.tree.map(lambda x: global_array(x, rows), batch)
+
   def step(self, state: TrainState, batch: LearnerBatch) -> tuple[TrainState, dict[str, float]]:
     """One train step. ``state`` is donated: use the returned state afterwards.
 
-    Every ``forecast_every`` steps the entropy of the updated policy on the same batch is
-    measured (one more forward pass) next to the first-order forecast.
+    ``batch`` is placed with :meth:`place_batch`. Every ``forecast_every`` steps the entropy
+    of the updated policy on the same batch is measured (one more forward pass) next to the
+    first-order forecast. The metrics are read back on every process.
     """
-    measure = self.config.forecast_every > 0 and int(state.step) % self.config.forecast_every == 0
+    every = self.config.forecast_every
+    measure = every > 0 and int(host_array(state.step)) % every == 0
+    batch = self.place_batch(batch)
     if self._train_step is None:
       self._train_step = self._compile(state, batch)
     new_state, metrics = self._train_step(state, batch)
-    metrics = {k: float(v) for k, v in metrics.items()}
+    metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:
-      metrics["entropy_change_measured"] = float(self._mean_entropy(new_state.params, batch)) - metrics["entropy"]
+      measured = float(host_array(self._mean_entropy(new_state.params, batch)))
+      metrics["entropy_change_measured"] = measured - metrics["entropy"]
     return new_state, metrics
 
   def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:
     """Token-mean entropy of the policy on ``batch``'s response tokens."""
-    return float(self._mean_entropy(state.params, batch))
+    return float(host_array(self._mean_entropy(state.params, self.place_batch(batch))))

@@ -19,7 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rft_jax.models.kv_cache import KVCache, init_cache
-from rft_jax.parallel import DEFAULT_RULES, Rules, named_sharding, tree_shardings
+from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, named_sharding,
+                              tree_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
 from rft_jax.sampling.loop import LoopSpec, sample_loop
@@ -93,15 +94,15 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   cache = empty_cache(model.config, batch * n, width + m - 1, cache_dtype, mesh, rules)
   inputs = [ids, mask, fingerprints, live]
   if mesh is not None:
-    inputs = [jax.device_put(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape,
-                                               mesh, rules)) for x in inputs]
+    inputs = [global_array(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape,
+                                             mesh, rules)) for x in inputs]
   out, cache = sample_loop(graphdef, state, cache, *inputs, np.uint32(seed),
                            np.float32(params.temperature or 1.0), np.int32(params.top_k),
                            np.float32(params.top_p),
                            spec=LoopSpec.of(params), mesh=mesh, rules=rules)
   del cache
-  tokens, logprobs, lengths, done = jax.device_get(
-      (out.tokens, out.logprobs, out.lengths, out.done))
+  tokens, logprobs, lengths, done = (host_array(x) for x in
+                                     (out.tokens, out.logprobs, out.lengths, out.done))
   keep = num * n
   return Rollouts(
       prompt_ids=ids[:num],
@@ -120,7 +121,7 @@ def empty_cache(config, batch: int, max_len: int, dtype=None, mesh: Mesh | None 
   abstract = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
   if mesh is None:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
-  shardings = tree_shardings(abstract, KVCache.logical_axes(), mesh, rules)
+  shardings = tree_shardings(abstract, abstract.logical_axes(), mesh, rules)
   return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), abstract, shardings)
 
 

@@ -1,4 +1,4 @@
-"""The compiled sampling program: prefill once per prompt, then one ``jax.lax.while_loop``.
+"""The compiled sampling program: prefill once per prompt, then ``jax.lax.while_loop`` decoding.
 
 One call of :func:`sample_loop`, for ``B`` (bucketed) prompts of (bucketed) length ``P``,
 ``n`` samples each (``R = B * n`` rows) and ``M = max_new_tokens``:
@@ -6,8 +6,12 @@ One call of :func:`sample_loop`, for ``B`` (bucketed) prompts of (bucketed) leng
 1. prefill the ``B`` prompts into a ``P``-slot cache and draw every row's first token from the
    last prompt position's logits (``n`` rows per prompt: the prompt's cache rows and logits are
    repeated, never recomputed);
-2. copy the repeated prompt keys/values into the donated ``R``-row cache of ``P + M - 1`` slots;
-3. ``while step < M and not all(done)``: feed each row's last token, draw the next.
+2. for each segment ``j`` with end ``E_j`` (:func:`segment_ends`: doubling, the last is ``M``):
+   copy the cache so far into an ``R``-row cache of ``P + E_j - 1`` slots (the last segment's is
+   the donated one, of ``P + M - 1`` slots), then ``while step < E_j and not all(done)``: feed
+   each row's last token, draw the next. A decode step reads every slot of its cache, so
+   growing caches keep a step's reads within about twice the live context; once every row is
+   done, the remaining segments run no step.
 
 A row is *done* once it has emitted a stop token (which it keeps) or is a dummy row padding the
 batch bucket. Tokens drawn by done rows are not recorded: their slots hold token 0 and log-prob 0.
@@ -78,6 +82,18 @@ def _record(state: LoopState, tokens: Int[Array, "R"], logp: Float[Array, "R"],
   )
 
 
+MIN_SEGMENT = 16
+
+
+def segment_ends(max_new_tokens: int, segments: int) -> tuple[int, ...]:
+  """Token counts at which decode segments end: ``M, M/2, M/4, ...`` (at most ``segments``, none
+  below :data:`MIN_SEGMENT` tokens), increasing; e.g. ``(16, 32, 64, 128)`` for 128 and 4."""
+  ends = [max_new_tokens]
+  while len(ends) < segments and ends[-1] // 2 >= MIN_SEGMENT:
+    ends.append(ends[-1] // 2)
+  return tuple(reversed(ends))
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopSpec:
   """What shapes the compiled program besides array shapes (hashable, a static argument).
@@ -87,16 +103,19 @@ class LoopSpec:
     max_new_tokens: M.
     stop_token_ids: tokens that end a row.
     strategy: greedy or not, truncation or not.
+    segment_ends: :func:`segment_ends` of M.
   """
 
   n: int
   max_new_tokens: int
   stop_token_ids: tuple[int, ...]
   strategy: Strategy
+  segment_ends: tuple[int, ...]
 
   @classmethod
   def of(cls, params: SamplingParams) -> LoopSpec:
-    return cls(params.n, params.max_new_tokens, params.stop_token_ids, Strategy.of(params))
+    return cls(params.n, params.max_new_tokens, params.stop_token_ids, Strategy.of(params),
+               segment_ends(params.max_new_tokens, params.cache_segments))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "mesh", "rules"),
@@ -126,41 +145,30 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
   model = nnx.merge(graphdef, state)
   b, p = prompt_ids.shape
   n, m = spec.n, spec.max_new_tokens
-  axes = KVCache.logical_axes()
+  axes = cache.logical_axes()
   rows = ("batch", None)
 
-  prompt_cache = _constrain(model.init_cache(b, p, dtype=cache.k.dtype), axes, mesh, rules)
+  prompt_cache = _constrain(model.init_cache(b, p, dtype=cache.dtype), axes, mesh, rules)
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache)
 
-  def repeat(x, axis):
-    return jnp.repeat(x, n, axis=axis, total_repeat_length=x.shape[axis] * n)
+  def repeat(x):
+    return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
 
-  cache = KVCache(
-      k=cache.k.at[:, :, :p].set(repeat(prompt_cache.k, 1)),
-      v=cache.v.at[:, :, :p].set(repeat(prompt_cache.v, 1)),
-      slot_mask=jnp.zeros_like(cache.slot_mask).at[:, :p].set(repeat(prompt_cache.slot_mask, 0)),
-      positions=repeat(prompt_cache.positions, 0),
-      index=jnp.asarray(p, jnp.int32),
-  )
-  cache = _constrain(cache, axes, mesh, rules)
-  logits = repeat(logits, 0)
+  logits = repeat(logits)
   keys = completion_keys(seed, fingerprints, n)
 
   r = b * n
-  init = LoopState(
+  state = LoopState(
       step=jnp.zeros((), jnp.int32),
       last_tokens=jnp.zeros((r,), jnp.int32),
-      done=~repeat(live, 0),
+      done=~repeat(live),
       lengths=jnp.zeros((r,), jnp.int32),
       tokens=_constrain(jnp.zeros((r, m), jnp.int32), rows, mesh, rules),
       logprobs=_constrain(jnp.zeros((r, m), jnp.float32), rows, mesh, rules),
-      cache=cache,
+      cache=None,
   )
-  tokens, logp = spec.strategy(logits, step_keys(keys, init.step), temperature, top_k, top_p)
-  init = _record(init, tokens, logp, spec.stop_token_ids)
-
-  def cond(s: LoopState):
-    return (s.step < m) & ~jnp.all(s.done)
+  tokens, logp = spec.strategy(logits, step_keys(keys, state.step), temperature, top_k, top_p)
+  state = _record(state, tokens, logp, spec.stop_token_ids)
 
   def body(s: LoopState) -> LoopState:
     logits, cache = model.decode_step(s.last_tokens, s.cache)
@@ -168,5 +176,30 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     s = s.replace(cache=_constrain(cache, axes, mesh, rules))
     return _record(s, tokens, logp, spec.stop_token_ids)
 
-  final = jax.lax.while_loop(cond, body, init)
-  return final.replace(cache=None), final.cache
+  previous, repeats = prompt_cache, n
+  for end in spec.segment_ends:
+    if end == m:
+      segment = cache  # the donated buffer
+    else:
+      segment = _constrain(model.init_cache(r, p + end - 1, dtype=cache.dtype), axes, mesh, rules)
+    state = state.replace(cache=_grow(previous, segment, repeats))
+    state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, state)
+    previous, repeats = state.cache, 1
+  return state.replace(cache=None), state.cache
+
+
+def _grow(cache: KVCache, into: KVCache, repeats: int) -> KVCache:
+  """``cache``'s slots copied into the first slots of the larger ``into``, each row repeated
+  ``repeats`` times (the prompt cache) or once (a previous segment's)."""
+  def rows(x):
+    return x if repeats == 1 else jnp.repeat(x, repeats, axis=0,
+                                             total_repeat_length=x.shape[0] * repeats)
+
+  s = cache.max_len
+  return KVCache(
+      k=tuple(big.at[..., :s].set(rows(k)) for big, k in zip(into.k, cache.k)),
+      v=tuple(big.at[:, :, :s].set(rows(v)) for big, v in zip(into.v, cache.v)),
+      slot_mask=jnp.zeros_like(into.slot_mask).at[:, :s].set(rows(cache.slot_mask)),
+      positions=rows(cache.positions),
+      index=cache.index,
+  )

@@ -33,6 +33,10 @@ class SamplingParams:
       the tokenizer's end-of-sequence ids (e.g. ``<|im_end|>`` and ``<|endoftext|>`` for
       Qwen instruct models): nothing here reads them from the model or tokenizer. Empty: every
       completion runs to ``max_new_tokens``.
+    cache_segments: decode in up to this many segments whose KV caches grow (doubling, the
+      last one ``max_new_tokens``): a step then reads the slots of its segment, at most about
+      twice the live context, instead of every preallocated slot. Each segment is one more
+      compiled decode body; 1 turns it off.
   """
 
   n: int = 1
@@ -41,6 +45,7 @@ class SamplingParams:
   top_k: int = 0
   max_new_tokens: int = 256
   stop_token_ids: tuple[int, ...] = ()
+  cache_segments: int = 4
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -50,7 +55,8 @@ class SamplingParams:
     _check_int("n", self.n, minimum=1)
     _check_int("top_k", self.top_k, minimum=0)
     _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
-    for name in ("n", "top_k", "max_new_tokens"):
+    _check_int("cache_segments", self.cache_segments, minimum=1)
+    for name in ("n", "top_k", "max_new_tokens", "cache_segments"):
       object.__setattr__(self, name, int(getattr(self, name)))
     if not _is_real(self.temperature) or not math.isfinite(self.temperature) or (
         self.temperature < 0):

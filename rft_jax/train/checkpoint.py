@@ -9,7 +9,8 @@ One checkpoint per saved step under ``RUN_DIR/checkpoints/<step>/`` holds
   randomness is derived from the seed and the step, so this is the RNG state).
 
 Saving is asynchronous (the loop goes on while the arrays are written) and only the
-``keep`` most recent checkpoints are kept.
+``keep`` most recent checkpoints are kept. On several processes every process must make
+the same calls (orbax coordinates them: each writes its own shards, process 0 the metadata).
 """
 
 from __future__ import annotations

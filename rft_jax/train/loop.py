@@ -3,7 +3,9 @@
 Each step draws ``data.prompts_per_step`` prompts, samples ``sampling.n`` completions
 each with the learner's current parameters (in place, on the learner's mesh), scores
 them, turns rewards into group advantages (optionally dropping zero-variance groups and
-refilling, DAPO's dynamic sampling), runs one learner step and logs every metric. The
+refilling, DAPO's dynamic sampling), runs one learner step and logs every metric, with
+the seconds spent in each phase (``time_sample``, ``time_reward``, ``time_learner``, and
+``time_eval`` on evaluation steps). The
 sampler's randomness is derived from ``seed`` and the step, and the prompt stream's
 position is checkpointed, so a resumed run repeats exactly what an uninterrupted one
 would have done.
@@ -22,7 +24,7 @@ import numpy as np
 
 from rft_jax import data as data_lib
 from rft_jax.models import chat_token_ids, load_hf, load_tokenizer
-from rft_jax.parallel import make_mesh
+from rft_jax.parallel import is_main_process, make_mesh
 from rft_jax.rewards import score_batch
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.learner import Learner, LearnerBatch
@@ -30,7 +32,7 @@ from rft_jax.sampling import SamplingParams, generate
 from rft_jax.train.checkpoint import RunCheckpointer
 from rft_jax.train.config import TrainConfig, to_yaml
 from rft_jax.train.evaluate import evaluate_problems
-from rft_jax.train.metrics_log import MetricsLog
+from rft_jax.train.metrics_log import MetricsLog, NullLog
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -154,10 +156,10 @@ def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
   advantages = compute_advantages(jnp.asarray(rewards), n, cfg.learner.advantage,
                                   **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
                                      if cfg.learner.advantage == "grpo" else {}))
-  batch = LearnerBatch(input_ids=jnp.asarray(arrays["input_ids"]),
-                       attention_mask=jnp.asarray(arrays["attention_mask"]),
-                       response_mask=jnp.asarray(arrays["response_mask"]),
-                       advantages=advantages, sampler_logp=jnp.asarray(arrays["sampler_logp"]))
+  # Host arrays, the same on every process: the learner lays them out on its mesh.
+  batch = LearnerBatch(input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"],
+                       response_mask=arrays["response_mask"], advantages=np.asarray(advantages),
+                       sampler_logp=arrays["sampler_logp"])
   t0 = time.perf_counter()
   state, metrics = run.learner.step(state, batch)
   learn_time = time.perf_counter() - t0
@@ -191,24 +193,32 @@ def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
 
   With ``resume`` (the default) a run directory that holds checkpoints continues from
   the latest one; the metrics of the resumed steps equal those of an uninterrupted run.
+
+  On several processes (one per host) every process runs this with the same config: all
+  of them sample, score, learn and checkpoint (orbax coordinates the writes); only
+  process 0 writes ``config.yaml``, the metrics and the progress bar.
   """
+  main = is_main_process()
   os.makedirs(cfg.run_dir, exist_ok=True)
-  with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-    f.write(to_yaml(cfg))
+  if main:
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+      f.write(to_yaml(cfg))
   run, state = build_run(cfg)
   checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
   start = 0
   if resume and checkpointer.latest_step() is not None:
     state, meta, start = checkpointer.restore(state)
     run.stream.set_state(meta["data"])
-  log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None)
+  log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None) if main else NullLog()
   metrics: dict[str, float] = {}
-  progress = _progress(cfg, start)
+  progress = _progress(cfg, start, enabled=main)
   try:
     for step in range(start, cfg.steps):
       state, metrics = train_step(run, state, step)
       if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
+        t0 = time.perf_counter()
         metrics.update(evaluate_problems(run, state))
+        metrics["time_eval"] = time.perf_counter() - t0
       if step == start:
         metrics.update({f"data_{k}": float(v) for k, v in run.data_report.items()})
       log.write(step, metrics)
@@ -224,8 +234,8 @@ def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
   return metrics
 
 
-def _progress(cfg: TrainConfig, start: int):
+def _progress(cfg: TrainConfig, start: int, enabled: bool = True):
   from tqdm.auto import tqdm
 
   return tqdm(total=cfg.steps, initial=start, desc=os.path.basename(cfg.run_dir.rstrip("/")),
-              disable=not cfg.progress, dynamic_ncols=True)
+              disable=not (cfg.progress and enabled), dynamic_ncols=True)

@@ -2,7 +2,8 @@
 
 JSONL is the source of truth (one object per step with ``step`` and ``time``; read it
 back with :func:`read_metrics`); TensorBoard event files in ``RUN_DIR/tensorboard``
-mirror the scalars for live viewing.
+mirror the scalars for live viewing. On several processes only process 0 writes them; the
+others get a :class:`NullLog`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ class MetricsLog:
     self._file.close()
     if self._writer is not None:
       self._writer.close()
+
+
+class NullLog:
+  """What processes other than 0 log to: nothing (same methods as :class:`MetricsLog`)."""
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    del step, metrics
+
+  def close(self) -> None:
+    pass
 
 
 def read_metrics(path: str) -> list[dict]:
