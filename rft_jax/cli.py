@@ -131,6 +131,25 @@ def _filter(args: argparse.Namespace) -> int:
   return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+  import time
+
+  from rft_jax.train.sft import SFTConfig, sft_files
+
+  config = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                     warmup_steps=args.warmup_steps, max_len=args.max_len, seed=args.seed)
+  start = time.time()
+
+  def log(step: int, loss: float) -> None:
+    if step % args.log_every == 0 or step == config.steps - 1:
+      print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
+
+  sft_files(args.model, args.data, args.out, config, question_field=args.question_field,
+            response_field=args.response_field, log=log)
+  print(f"saved {args.out}")
+  return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
   from rft_jax.train.plots import plot_runs
 
@@ -186,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
   filt.add_argument("--high", type=float, default=15 / 16)
   filt.add_argument("--out", required=True, help="directory for kept.jsonl and pass_rates.jsonl")
   filt.set_defaults(func=_filter)
+
+  sft_parser = sub.add_parser("sft", help="supervised fine-tuning on question/response pairs")
+  sft_parser.add_argument("--model", required=True, help="HF model directory to start from")
+  sft_parser.add_argument("--data", required=True, help="JSONL/parquet of question/response rows")
+  sft_parser.add_argument("--out", required=True, help="HF directory to write")
+  sft_parser.add_argument("--question-field", default="question")
+  sft_parser.add_argument("--response-field", default="response")
+  sft_parser.add_argument("--steps", type=int, default=1000)
+  sft_parser.add_argument("--batch-size", type=int, default=64)
+  sft_parser.add_argument("--lr", type=float, default=3e-3)
+  sft_parser.add_argument("--warmup-steps", type=int, default=50)
+  sft_parser.add_argument("--max-len", type=int, default=96)
+  sft_parser.add_argument("--seed", type=int, default=0)
+  sft_parser.add_argument("--log-every", type=int, default=100)
+  sft_parser.set_defaults(func=_sft)
 
   plot = sub.add_parser("plot", help="draw the paper's figures for runs side by side")
   plot.add_argument("run_dirs", nargs="+")

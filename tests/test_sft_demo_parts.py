@@ -42,3 +42,45 @@ def test_sft_lowers_the_response_loss(tmp_path):
   sft(model, ids, mask, attention, SFTConfig(steps=40, batch_size=16, lr=3e-3, warmup_steps=5),
       log=lambda step, loss: losses.append(loss))
   assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+
+
+def _pairs(path, rows):
+  import json
+
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return str(path)
+
+
+def test_sft_command_trains_from_files_and_reports_bad_rows(tmp_path, capsys):
+  """``rft-jax sft``: HF directory + JSONL pairs in, a loadable HF directory out."""
+  import re
+
+  from rft_jax import cli
+  from rft_jax.models import load_hf, save_hf
+
+  init = str(tmp_path / "init")
+  tok = build_char_tokenizer(init)
+  config = demo_model_config(len(tok)).replace(num_hidden_layers=1, hidden_size=64,
+                                               intermediate_size=128, head_dim=16)
+  save_hf(Qwen(config, rngs=nnx.Rngs(0)), init, tokenizer=tok)
+  problems = addition_problems(64, seed=0, max_digits=1)
+  data = _pairs(tmp_path / "pairs.jsonl",
+                [{"question": p.question, "response": worked_answer(p)} for p in problems])
+  out = str(tmp_path / "out")
+  args = ["sft", "--model", init, "--data", data, "--out", out, "--steps", "40",
+          "--batch-size", "16", "--warmup-steps", "5", "--max-len", "64", "--log-every", "1"]
+  assert cli.main(args) == 0
+  losses = [float(x) for x in re.findall(r"loss (\S+)", capsys.readouterr().out)]
+  assert len(losses) == 40 and np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+  trained = load_hf(out)
+  assert trained.config == load_hf(init).config
+  assert load_tokenizer(out).convert_tokens_to_ids("<|im_end|>") == tok.convert_tokens_to_ids("<|im_end|>")
+
+  bad = _pairs(tmp_path / "bad.jsonl", [{"question": "What is 1 + 2?", "response": "3"},
+                                        {"question": "What is 2 + 2?", "response": ""}])
+  assert cli.main([*args[:4], bad, *args[5:]]) == 2
+  assert "row 1: field 'response'" in capsys.readouterr().err
+  assert cli.main([*args[:-4], "--max-len", "16", "--log-every", "1"]) == 2
+  err = capsys.readouterr().err
+  assert "row 0" in err and "exceed max_len=16" in err

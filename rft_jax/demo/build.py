@@ -1,5 +1,6 @@
 """Rebuilds the demo's warm-started checkpoint: tokenizer, a small Qwen3-layout model,
-supervised fine-tuning on worked addition answers, saved in Hugging Face form.
+supervised fine-tuning on worked addition answers (``rft-jax sft``'s code), saved in
+Hugging Face form.
 
     python -m rft_jax.demo.build --out rft_jax/demo/checkpoint
 
@@ -10,14 +11,17 @@ like any real Qwen checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
 
 from flax import nnx
 
 from rft_jax.demo.task import addition_problems, worked_answer
 from rft_jax.demo.tokenizer import build_char_tokenizer
-from rft_jax.models import Qwen, QwenConfig, chat_token_ids, save_hf
-from rft_jax.train.sft import SFTConfig, encode_pairs, sft
+from rft_jax.models import Qwen, QwenConfig, save_hf
+from rft_jax.train.sft import SFTConfig, sft_files
 
 SFT_SEED, RL_SEED, EVAL_SEED = 11, 12, 13
 
@@ -31,20 +35,25 @@ def demo_model_config(vocab_size: int) -> QwenConfig:
 
 
 def build(out: str, *, steps: int, problems: int, max_digits: int, log_every: int = 100) -> None:
-  tokenizer = build_char_tokenizer(out)
-  model = Qwen(demo_model_config(len(tokenizer)), rngs=nnx.Rngs(0))
+  """Tokenizer and random model saved in HF form, worked answers written as JSONL, then the
+  same supervised fine-tuning as ``rft-jax sft --model INIT --data PAIRS --out OUT``."""
   examples = addition_problems(problems, seed=SFT_SEED, max_digits=max_digits)
-  prompts = [chat_token_ids(tokenizer, e.question) for e in examples]
-  responses = [tokenizer(worked_answer(e) + "<|im_end|>", add_special_tokens=False)["input_ids"] for e in examples]
-  ids, mask, attention = encode_pairs(prompts, responses, max_len=64)
-  start = time.time()
+  with tempfile.TemporaryDirectory() as tmp:
+    init = os.path.join(tmp, "init")
+    tokenizer = build_char_tokenizer(init)
+    save_hf(Qwen(demo_model_config(len(tokenizer)), rngs=nnx.Rngs(0)), init, tokenizer=tokenizer)
+    pairs = os.path.join(tmp, "pairs.jsonl")
+    with open(pairs, "w") as f:
+      f.writelines(json.dumps({"question": e.question, "response": worked_answer(e)}) + "\n"
+                   for e in examples)
+    start = time.time()
 
-  def log(step, loss):
-    if step % log_every == 0 or step == steps - 1:
-      print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
+    def log(step, loss):
+      if step % log_every == 0 or step == steps - 1:
+        print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
 
-  sft(model, ids, mask, attention, SFTConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=50), log)
-  save_hf(model, out, tokenizer=tokenizer)
+    config = SFTConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=50, max_len=64)
+    sft_files(init, pairs, out, config, log=log)
   print(f"saved {out}")
 
 

@@ -3,7 +3,8 @@
 Each example becomes ``chat prompt + response + <|im_end|>``; the loss is the mean
 negative log-likelihood of the response tokens (the prompt is context only), computed
 with the same chunked ``token_stats`` pass as the learner, and optimised with AdamW
-under a warmup-cosine schedule.
+under a warmup-cosine schedule. :func:`sft_files` is ``rft-jax sft``: an HF model
+directory and a JSONL of pairs in, an HF model directory out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rft_jax.entropy import token_stats
 
 @dataclasses.dataclass
 class SFTConfig:
-  """Supervised fine-tuning settings."""
+  """Supervised fine-tuning settings (``max_len``: prompt + response tokens per example)."""
 
   steps: int = 1000
   batch_size: int = 64
@@ -42,7 +43,7 @@ def encode_pairs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Seq
   for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
     seq = list(p) + list(r)
     if len(seq) > max_len:
-      raise ValueError(f"example {i}: {len(seq)} tokens exceed sft max_len={max_len}")
+      raise ValueError(f"sft: example {i} has {len(seq)} tokens, more than max_len={max_len}")
     ids[i, :len(seq)] = seq
     mask[i, len(p):len(seq)] = 1.0
     attention[i, :len(seq)] = 1
@@ -74,4 +75,47 @@ def sft(model: nnx.Module, ids: np.ndarray, response_mask: np.ndarray, attention
                 jnp.asarray(attention[rows]))
     if log is not None:
       log(i, float(loss))
+  return model
+
+
+def end_of_turn_id(tokenizer, eos_token_id: int | Sequence[int] | None) -> int:
+  """The token that closes an assistant turn: ``<|im_end|>`` (Qwen's chat format) when the
+  tokenizer has it, else the model's (first) end-of-sequence id."""
+  im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+  if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+    return im_end
+  if eos_token_id is None:
+    raise ValueError("sft: the tokenizer has no <|im_end|> and the model config no eos_token_id")
+  return eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
+
+
+def sft_files(model_path: str, data_path: str, out: str, config: SFTConfig, *,
+              question_field: str = "question", response_field: str = "response",
+              log: Callable[[int, float], None] | None = None) -> nnx.Module:
+  """Fine-tunes the HF model at ``model_path`` on the JSONL (or parquet) pairs at ``data_path``
+  and saves model and tokenizer to ``out`` in HF form; returns the model.
+
+  Each row needs a non-empty ``question_field`` (the user turn, put through the tokenizer's
+  chat template) and ``response_field`` (the assistant turn); a row without one is an error
+  naming the file, row and field, and an example longer than ``config.max_len`` tokens one
+  naming its row.
+  """
+  from rft_jax.data import DatasetError, load_math_dataset
+  from rft_jax.models import chat_token_ids, load_hf, load_tokenizer, save_hf
+
+  tokenizer = load_tokenizer(model_path)
+  model = load_hf(model_path)
+  examples, _ = load_math_dataset(data_path, "jsonl", question_field=question_field,
+                                  answer_field=response_field)
+  end = end_of_turn_id(tokenizer, model.config.eos_token_id)
+  prompts = [chat_token_ids(tokenizer, e.question) for e in examples]
+  responses = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + [end]
+               for e in examples]
+  for row, (p, r) in enumerate(zip(prompts, responses)):
+    if len(p) + len(r) > config.max_len:
+      raise DatasetError(f"{data_path}: row {row}: {len(p) + len(r)} tokens (chat prompt + "
+                         f"response) exceed max_len={config.max_len}")
+  ids, mask, attention = encode_pairs(prompts, responses, config.max_len)
+  sft(model, ids, mask, attention, config, log)
+  save_hf(model, out, tokenizer=tokenizer)
   return model
