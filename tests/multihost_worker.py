@@ -2,7 +2,8 @@
 
 :func:`run` builds the tiny random Qwen of ``test_learner`` on a ``data=2 x model=4`` mesh over
 all devices, samples with :func:`rft_jax.sampling.generate`, and takes one learner step on the
-rollouts. Run as a script (``python multihost_worker.py OUT.npz``) it first joins the processes
+rollouts, then checkpoints and restores the state. Run as a script (``python multihost_worker.py
+OUT.npz CHECKPOINT_DIR``) it first joins the processes
 named by ``RFT_JAX_COORDINATOR`` / ``RFT_JAX_NUM_PROCESSES`` / ``RFT_JAX_PROCESS_ID``
 (:func:`rft_jax.parallel.multihost.initialize_from_env`; without them it runs alone) and saves
 what :func:`run` returns.
@@ -18,11 +19,13 @@ PROMPTS = [[5, 17, 9, 33, 61, 2, 40], [8, 3], [12, 19, 44, 7, 7], [51]]
 GROUP = 4  # completions per prompt
 
 
-def run() -> dict[str, np.ndarray]:
+def run(checkpoint_dir: str) -> dict[str, np.ndarray]:
   """Rollouts, learner metrics (``metric/<name>``) and updated parameters (``param/<path>``).
 
   Every process returns the same full values; ``spans_processes`` says whether the parameters
-  had shards on other processes' devices.
+  had shards on other processes' devices. The updated state is also checkpointed into
+  ``checkpoint_dir`` (orbax, every process taking part) and restored:
+  ``restored_equal`` says whether every restored array equals the saved one.
   """
   import jax
   from flax import nnx
@@ -30,6 +33,7 @@ def run() -> dict[str, np.ndarray]:
   from rft_jax.parallel import host_array, make_mesh, shard_model
   from rft_jax.rl.learner import Learner, LearnerBatch
   from rft_jax.sampling import SamplingParams, generate
+  from rft_jax.train.checkpoint import RunCheckpointer
   from test_learner import config
 
   mesh = make_mesh(data=2, model=4)
@@ -51,7 +55,15 @@ def run() -> dict[str, np.ndarray]:
   state = learner.init(model)
   spans = any(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
   state, metrics = learner.step(state, batch)
-  out = {"completion_ids": rollouts.completion_ids, "completion_lengths": rollouts.completion_lengths,
+  checkpointer = RunCheckpointer(checkpoint_dir)
+  checkpointer.save(1, state, {"data": {"epoch": 0}})
+  checkpointer.wait()
+  restored, meta, step = checkpointer.restore(state)  # the template gives shapes and shardings
+  checkpointer.close()
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(host_array(a), host_array(b))),
+                      restored, state)
+  out = {"restored_equal": np.asarray(all(jax.tree.leaves(same)) and step == 1
+                                      and meta == {"data": {"epoch": 0}}),"completion_ids": rollouts.completion_ids, "completion_lengths": rollouts.completion_lengths,
          "logprobs": rollouts.logprobs, "spans_processes": np.asarray(spans),
          "process_count": np.asarray(jax.process_count())}
   out.update({f"metric/{k}": np.asarray(v) for k, v in metrics.items()})
@@ -79,17 +91,17 @@ def tiny_random_model(seed: int):
   return nnx.merge(graphdef, state)
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, checkpoint_dir: str) -> None:
   import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process CPU collectives
   from rft_jax.parallel.multihost import initialize_from_env
 
   joined = initialize_from_env()  # without the variables: one process on its own devices
-  np.savez(out_path, **run())
+  np.savez(out_path, **run(checkpoint_dir))
   if joined:
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(sys.argv[1], sys.argv[2])

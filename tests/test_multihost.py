@@ -1,6 +1,7 @@
 """Two real processes (4 CPU devices each, joined by ``jax.distributed``) on one 2 x 4 mesh give
 what one process with 8 devices gives: the same rollouts from ``generate`` and the same learner
-step (metrics and updated parameters), read back in full on every process.
+step (metrics and updated parameters), read back in full on every process; an orbax checkpoint
+written by both processes restores to the same state.
 
 All three processes run ``multihost_worker.py`` with the same XLA flags (optimisation level 0
 halves the compile time, which is most of the test's time), the two-process group and the
@@ -43,7 +44,8 @@ def _launch(tmp_path: Path, name: str, processes: int, devices: int) -> list:
                  RFT_JAX_PROCESS_ID=str(i))
     out, log = tmp_path / f"{name}{i}.npz", tmp_path / f"{name}{i}.log"
     with open(log, "w") as f:
-      proc = subprocess.Popen([sys.executable, str(TESTS / "multihost_worker.py"), str(out)],
+      proc = subprocess.Popen([sys.executable, str(TESTS / "multihost_worker.py"), str(out),
+                               str(tmp_path / f"{name}_checkpoints")],
                               env=dict(env), stdout=f, stderr=subprocess.STDOUT)
     launched.append((proc, out, log))
   return launched
@@ -91,10 +93,12 @@ def test_two_processes_equal_one_process(tmp_path):
   launched += _launch(tmp_path, "one", processes=1, devices=8)
   *results, reference = _results(launched)
   assert int(reference["process_count"]) == 1 and not reference["spans_processes"]
+  assert reference["restored_equal"]
   assert np.isfinite(reference["metric/loss"]) and reference["metric/grad_norm"] > 0
   assert reference["metric/response_tokens"] > 0
   for i, got in enumerate(results):
     assert int(got["process_count"]) == 2 and got["spans_processes"], i
+    assert got["restored_equal"], f"process {i}: the orbax round trip changed the state"
     assert sorted(got) == sorted(reference), i
     np.testing.assert_array_equal(got["completion_ids"], reference["completion_ids"])
     np.testing.assert_array_equal(got["completion_lengths"], reference["completion_lengths"])

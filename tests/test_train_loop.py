@@ -40,9 +40,12 @@ VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "time_eval", "
 
 def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
   run_dir = tmp_path / "run"
-  assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2")]) == 0
-  records = read_metrics(str(run_dir))
+  assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2",
+                                        "eval.at_start=true")]) == 0
+  start, *records = read_metrics(str(run_dir))
   assert [r["step"] for r in records] == [0, 1, 2]
+  assert start["step"] == -1 and 0.0 <= start["eval_val_avg@2"] <= 1.0 and start["time_eval"] > 0
+  assert "loss" not in start  # the evaluation before any update, nothing else
   for key in ("loss", "entropy", "reward_mean", "accuracy", "response_length_mean", "truncated_frac",
               "zero_variance_group_frac", "time_sample", "time_learner", "entropy_change_forecast",
               "clip_frac_low", "mask_frac"):
@@ -124,3 +127,20 @@ def test_dynamic_sampling_refills_and_still_fills_the_batch(setup, tmp_path):
                                               "max_refills=2", "eval.every=0")))
   assert metrics["refills"] == 2.0 and metrics["zero_variance_group_frac"] == 1.0
   assert metrics["response_tokens"] > 0
+
+
+def test_learner_batch_drops_columns_that_are_padding_in_every_row():
+  from rft_jax.train.loop import trim_left_padding
+
+  rng = np.random.default_rng(0)
+  width, starts = 72, [20, 31, 25]  # every row starts at column 20 or later
+  mask = np.stack([(np.arange(width) >= s).astype(np.int32) for s in starts])
+  arrays = {"attention_mask": mask, "input_ids": rng.integers(1, 50, mask.shape) * mask,
+            "sampler_logp": rng.normal(size=mask.shape).astype(np.float32) * mask}
+  trimmed = trim_left_padding(arrays)
+  assert trimmed["attention_mask"].shape == (3, 64)  # 52 used columns, rounded up to 64
+  for key, x in arrays.items():
+    np.testing.assert_array_equal(trimmed[key], x[:, 8:])
+    assert not x[:, :8].any()
+  full = {k: v[:, 20:] for k, v in arrays.items()}  # nothing to drop: widths stay as they are
+  assert trim_left_padding(full)["attention_mask"].shape == (3, 52)

@@ -1,8 +1,9 @@
 """``rft-jax demo``: GRPO, GRPO + Clip_B and GRPO + Clip_V on the synthetic task, side by side.
 
 Writes the task's data (training and held-out problems, disjoint), trains the three
-variants from the same checkpoint and seed, prints a table (held-out Avg@K / Pass@K,
-final entropy, mask fractions, training accuracy at start and end) and draws the
+variants from the same checkpoint and seed, prints a table (held-out Avg@K before and
+after training and Pass@K, entropy and training accuracy over the first and last quarter of
+the steps, mask fractions) and draws the
 paper-style plots of the three runs into ``RUN_DIR/demo.png``.
 """
 
@@ -42,17 +43,22 @@ def write_demo_data(data_dir: str, train_size: int = 4000, heldout_size: int = 6
 def _summary(run_dir: str) -> dict[str, float]:
   records = read_metrics(run_dir)
   evals = [r for r in records if any(k.startswith("eval_") for k in r)]
-  last_eval = evals[-1] if evals else {}
-  avg = next((v for k, v in last_eval.items() if "avg@" in k), float("nan"))
-  pas = next((v for k, v in last_eval.items() if "pass@" in k), float("nan"))
-  quarter = max(len(records) // 4, 1)
+  steps = [r for r in records if r["step"] >= 0]  # step -1: the evaluation before training
+
+  def score(record: dict, kind: str) -> float:
+    return next((v for k, v in record.items() if k.startswith("eval_") and kind in k), float("nan"))
+
+  quarter = max(len(steps) // 4, 1)
+  start = evals[0] if evals and evals[0]["step"] < 0 else {}
   return {
-      "heldout_avg": avg, "heldout_pass": pas,
-      "entropy_final": float(np.mean([r["entropy"] for r in records[-quarter:]])),
-      "mask_frac": float(np.mean([r["mask_frac"] for r in records])),
-      "mask_frac_negative": float(np.mean([r["mask_frac_negative"] for r in records])),
-      "acc_start": float(np.mean([r["accuracy"] for r in records[:quarter]])),
-      "acc_end": float(np.mean([r["accuracy"] for r in records[-quarter:]])),
+      "heldout_avg_start": score(start, "avg@"), "heldout_avg": score(evals[-1], "avg@") if evals else float("nan"),
+      "heldout_pass": score(evals[-1], "pass@") if evals else float("nan"),
+      "entropy_start": float(np.mean([r["entropy"] for r in steps[:quarter]])),
+      "entropy_final": float(np.mean([r["entropy"] for r in steps[-quarter:]])),
+      "mask_frac": float(np.mean([r["mask_frac"] for r in steps])),
+      "mask_frac_negative": float(np.mean([r["mask_frac_negative"] for r in steps])),
+      "acc_start": float(np.mean([r["accuracy"] for r in steps[:quarter]])),
+      "acc_end": float(np.mean([r["accuracy"] for r in steps[-quarter:]])),
   }
 
 
@@ -73,13 +79,14 @@ def run_demo(config_path: str = "configs/demo.yaml", overrides: Sequence[str] = 
   k = base.eval.sets[0].k if base.eval.sets else 0
   print(f"\nrft-jax demo: {base.steps} steps x {base.data.prompts_per_step} prompts x {base.sampling.n} samples "
         f"per variant, {time.time() - start:.0f} s")
-  header = (f"{'variant':<8} {'Avg@' + str(k):>7} {'Pass@' + str(k):>7} {'entropy':>8} {'mask %':>7} "
-            f"{'mask % neg':>10} {'train acc start -> end':>23}")
+  header = (f"{'variant':<8} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
+            f"{'entropy first -> last quarter':>30} {'mask %':>7} {'mask % neg':>10} "
+            f"{'train acc first -> last quarter':>32}")
   print(header)
   for name, s in summaries.items():
-    print(f"{name:<8} {s['heldout_avg']:>7.3f} {s['heldout_pass']:>7.3f} {s['entropy_final']:>8.4f} "
-          f"{100 * s['mask_frac']:>7.3f} {100 * s['mask_frac_negative']:>10.3f} "
-          f"{s['acc_start']:>12.3f} -> {s['acc_end']:.3f}")
+    print(f"{name:<8} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
+          f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>7.3f} "
+          f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f}")
   plot = plot_runs([os.path.join(base.run_dir, v) for v in variants], os.path.join(base.run_dir, "demo.png"))
   print(f"plots: {plot}")
   return summaries

@@ -85,7 +85,9 @@ class LearnerConfig:
     entropy_coef: entropy bonus coefficient (0: off).
     entropy_mask: the Clip_B / Clip_V / sign mask.
     lr: learning rate eta; schedule ``constant`` or ``warmup_cosine``; warmup_steps;
-      total_steps (for the cosine decay); weight_decay; b1, b2: Adam betas.
+      total_steps (for the cosine decay); weight_decay; b1, b2: Adam betas; adam_eps: Adam's
+      epsilon (a larger one stops Adam from moving parameters whose gradients are only noise
+      by a full step of size lr).
     max_grad_norm: global-norm gradient clipping (None: off).
     mini_batches: optimizer steps per batch of rollouts; ppo_epochs: passes.
     micro_batch_size: sequences per gradient-accumulation step (per mini-batch).
@@ -115,6 +117,7 @@ class LearnerConfig:
   weight_decay: float = 0.0
   b1: float = 0.9
   b2: float = 0.999
+  adam_eps: float = 1e-8
   max_grad_norm: Optional[float] = 1.0
   mini_batches: int = 1
   ppo_epochs: int = 1

@@ -95,10 +95,13 @@ class EvalConfig:
   """Evaluation every ``every`` steps (0: never) at ``temperature`` (the paper: 0.7).
 
   ``sets`` lists extra sets (e.g. AIME with k=32); the held-out validation split is
-  evaluated with ``val_k`` samples when ``data.val_size > 0``.
+  evaluated with ``val_k`` samples when ``data.val_size > 0``. ``at_start`` also evaluates
+  the starting policy of a fresh run, logged as step -1 (the evaluation after step ``s`` is
+  logged at step ``s``, so step -1 is "after no update").
   """
 
   every: int = 0
+  at_start: bool = False
   temperature: float = 0.7
   max_new_tokens: Optional[int] = None
   val_k: int = 8

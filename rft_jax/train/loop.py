@@ -137,7 +137,20 @@ def _select_groups(parts: list[dict], n: int, groups_wanted: int, dynamic: bool)
 
   arrays = {k: np.concatenate([pad(f[0][k]) for f in chosen]) for k in chosen[0][0]}
   rewards = np.concatenate([f[1] for f in chosen])
-  return arrays, rewards, chosen
+  return trim_left_padding(arrays), rewards, chosen
+
+
+def trim_left_padding(arrays: dict[str, np.ndarray], multiple: int = 16) -> dict[str, np.ndarray]:
+  """Drops leading columns that are padding in every row, keeping the width a multiple of
+  ``multiple`` (a few learner programs per run, not one per width).
+
+  The sampler left-pads prompts to a power-of-two bucket; the learner would otherwise run its
+  forward and backward passes over those columns too.
+  """
+  width = arrays["attention_mask"].shape[1]
+  used = np.flatnonzero(arrays["attention_mask"].any(axis=0))
+  keep = min(width, -(-(width - used[0]) // multiple) * multiple) if used.size else width
+  return {k: v[:, width - keep:] for k, v in arrays.items()}
 
 
 def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
@@ -213,12 +226,12 @@ def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
   metrics: dict[str, float] = {}
   progress = _progress(cfg, start, enabled=main)
   try:
+    if cfg.eval.at_start and start == 0:
+      log.write(-1, _timed_evaluation(run, state))
     for step in range(start, cfg.steps):
       state, metrics = train_step(run, state, step)
       if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
-        t0 = time.perf_counter()
-        metrics.update(evaluate_problems(run, state))
-        metrics["time_eval"] = time.perf_counter() - t0
+        metrics.update(_timed_evaluation(run, state))
       if step == start:
         metrics.update({f"data_{k}": float(v) for k, v in run.data_report.items()})
       log.write(step, metrics)
@@ -231,6 +244,13 @@ def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
     progress.close()
     checkpointer.close()
     log.close()
+  return metrics
+
+
+def _timed_evaluation(run: Run, state) -> dict[str, float]:
+  t0 = time.perf_counter()
+  metrics = evaluate_problems(run, state)
+  metrics["time_eval"] = time.perf_counter() - t0
   return metrics
 
 

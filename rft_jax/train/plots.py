@@ -36,7 +36,7 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
     for key, style in (("clip_frac_low", ":"), ("clip_frac_high", "--"), ("mask_frac", "-")):
       axes[2].plot(*_series(records, key), style, label=f"{name} {key}")
     steps, measured = _series(records, "entropy_change_measured")
-    forecast = {r["step"]: r["entropy_change_forecast"] for r in records}
+    forecast = {r["step"]: r.get("entropy_change_forecast") for r in records}
     if steps:
       axes[3].scatter([forecast[s] for s in steps], measured, s=12, label=name)
   titles = ("policy entropy (nats / token)", "accuracy", "clip and mask fractions",
