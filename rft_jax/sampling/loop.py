@@ -158,7 +158,7 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
   keys = completion_keys(seed, fingerprints, n)
 
   r = b * n
-  state = LoopState(
+  loop = LoopState(
       step=jnp.zeros((), jnp.int32),
       last_tokens=jnp.zeros((r,), jnp.int32),
       done=~repeat(live),
@@ -167,8 +167,8 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
       logprobs=_constrain(jnp.zeros((r, m), jnp.float32), rows, mesh, rules),
       cache=None,
   )
-  tokens, logp = spec.strategy(logits, step_keys(keys, state.step), temperature, top_k, top_p)
-  state = _record(state, tokens, logp, spec.stop_token_ids)
+  tokens, logp = spec.strategy(logits, step_keys(keys, loop.step), temperature, top_k, top_p)
+  loop = _record(loop, tokens, logp, spec.stop_token_ids)
 
   def body(s: LoopState) -> LoopState:
     logits, cache = model.decode_step(s.last_tokens, s.cache)
@@ -182,10 +182,10 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
       segment = cache  # the donated buffer
     else:
       segment = _constrain(model.init_cache(r, p + end - 1, dtype=cache.dtype), axes, mesh, rules)
-    state = state.replace(cache=_grow(previous, segment, repeats))
-    state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, state)
-    previous, repeats = state.cache, 1
-  return state.replace(cache=None), state.cache
+    loop = loop.replace(cache=_constrain(_grow(previous, segment, repeats), axes, mesh, rules))
+    loop = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, loop)
+    previous, repeats = loop.cache, 1
+  return loop.replace(cache=None), loop.cache
 
 
 def _grow(cache: KVCache, into: KVCache, repeats: int) -> KVCache:
