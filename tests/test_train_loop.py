@@ -46,6 +46,7 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
   assert [r["step"] for r in records] == [0, 1, 2]
   assert start["step"] == -1 and 0.0 <= start["eval_val_avg@2"] <= 1.0 and start["time_eval"] > 0
   assert "loss" not in start  # the evaluation before any update, nothing else
+  assert 0 < start["eval_val_entropy"] < np.log(128) and np.isfinite(records[-1]["eval_val_entropy"])
   for key in ("loss", "entropy", "reward_mean", "accuracy", "response_length_mean", "truncated_frac",
               "zero_variance_group_frac", "time_sample", "time_learner", "entropy_change_forecast",
               "clip_frac_low", "mask_frac"):
@@ -144,3 +145,24 @@ def test_learner_batch_drops_columns_that_are_padding_in_every_row():
     assert not x[:, :8].any()
   full = {k: v[:, 20:] for k, v in arrays.items()}  # nothing to drop: widths stay as they are
   assert trim_left_padding(full)["attention_mask"].shape == (3, 52)
+
+
+def test_answer_entropy_equals_a_full_forward_in_any_block_size():
+  import jax.numpy as jnp
+
+  from rft_jax.sampling import SamplingParams, generate
+  from rft_jax.train.evaluate import answer_entropy
+  from test_learner import tiny_model
+
+  model = tiny_model()
+  rollouts = generate(model, [[1, 2, 3], [4, 5], [6]], SamplingParams(n=3, max_new_tokens=6), seed=0)
+  arrays = rollouts.to_learner_arrays()
+  total, count = answer_entropy(model, arrays, 0.7, rows=4)  # 9 answers: blocks of 4, 4, 1 (+3 padding)
+  z = np.asarray(model(jnp.asarray(arrays["input_ids"]), jnp.asarray(arrays["attention_mask"])),
+                 np.float64)[:, :-1] / 0.7
+  logp = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
+  entropy = -(np.exp(logp) * logp).sum(-1)
+  mask = arrays["response_mask"][:, 1:]
+  assert count == mask.sum() == rollouts.completion_lengths.sum()
+  np.testing.assert_allclose(total, (entropy * mask).sum(), rtol=1e-5)
+  np.testing.assert_allclose(answer_entropy(model, arrays, 0.7, rows=16), (total, count), rtol=1e-6)

@@ -1,9 +1,9 @@
 """``rft-jax demo``: GRPO, GRPO + Clip_B and GRPO + Clip_V on the synthetic task, side by side.
 
 Writes the task's data (training and held-out problems, disjoint), trains the three
-variants from the same checkpoint and seed, prints a table (held-out Avg@K before and
-after training and Pass@K, entropy and training accuracy over the first and last quarter of
-the steps, mask fractions) and draws the
+variants from the same checkpoint and seed, prints a table (held-out Avg@K and policy entropy
+on the held-out answers before and after training, Pass@K, training accuracy over the first
+and last quarter of the steps, mask fractions) and draws the
 paper-style plots of the three runs into ``RUN_DIR/demo.png``.
 """
 
@@ -53,8 +53,8 @@ def _summary(run_dir: str) -> dict[str, float]:
   return {
       "heldout_avg_start": score(start, "avg@"), "heldout_avg": score(evals[-1], "avg@") if evals else float("nan"),
       "heldout_pass": score(evals[-1], "pass@") if evals else float("nan"),
-      "entropy_start": float(np.mean([r["entropy"] for r in steps[:quarter]])),
-      "entropy_final": float(np.mean([r["entropy"] for r in steps[-quarter:]])),
+      "entropy_start": score(start, "_entropy"),
+      "entropy_final": score(evals[-1], "_entropy") if evals else float("nan"),
       "mask_frac": float(np.mean([r["mask_frac"] for r in steps])),
       "mask_frac_negative": float(np.mean([r["mask_frac_negative"] for r in steps])),
       "acc_start": float(np.mean([r["accuracy"] for r in steps[:quarter]])),
@@ -80,7 +80,7 @@ def run_demo(config_path: str = "configs/demo.yaml", overrides: Sequence[str] = 
   print(f"\nrft-jax demo: {base.steps} steps x {base.data.prompts_per_step} prompts x {base.sampling.n} samples "
         f"per variant, {time.time() - start:.0f} s")
   header = (f"{'variant':<8} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
-            f"{'entropy first -> last quarter':>30} {'mask %':>7} {'mask % neg':>10} "
+            f"{'held-out entropy start -> end':>30} {'mask %':>7} {'mask % neg':>10} "
             f"{'train acc first -> last quarter':>32}")
   print(header)
   for name, s in summaries.items():

@@ -1,5 +1,10 @@
 """Evaluation of a policy on held-out problems: Avg@K and unbiased Pass@K at a temperature.
 
+With ``entropy_temperature`` it also reports the policy's token-mean entropy over the sampled
+answers, under ``softmax(z / entropy_temperature)`` (the training runs pass the rollout
+temperature): the same prompts every time, so across evaluations it follows the policy rather
+than the composition of a training batch.
+
 Used every ``eval.every`` training steps (on the validation split and the configured
 sets) and by ``rft-jax eval`` on a checkpoint or a Hugging Face directory.
 """
@@ -8,22 +13,30 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rft_jax.data import MathExample, load_math_dataset, tokenize_prompts
+from rft_jax.entropy import token_stats
 from rft_jax.eval import avg_at_k, pass_at_k_from_samples
+from rft_jax.parallel import global_array, host_array
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.sampling import SamplingParams, generate
 
 
 def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, temperature: float,
              max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, prompt_fn,
-             seed: int = 0, mesh=None, max_prompt_len: int = 4096, batch_prompts: int = 64) -> dict[str, Any]:
-  """Samples ``k`` answers per problem; returns Avg@k, Pass@k and the correctness matrix."""
+             seed: int = 0, mesh=None, max_prompt_len: int = 4096, batch_prompts: int = 64,
+             entropy_temperature: float | None = None, entropy_rows: int = 16) -> dict[str, Any]:
+  """Samples ``k`` answers per problem; returns Avg@k, Pass@k, the correctness matrix and, with
+  ``entropy_temperature``, the mean entropy per answer token (``entropy_rows`` answers per
+  forward pass)."""
   prompts, too_long = tokenize_prompts(problems, prompt_fn, max_prompt_len)
   params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
                           stop_token_ids=stop_ids)
-  correct, lengths = [], []
+  correct, lengths, entropy_sum, entropy_count = [], [], 0.0, 0.0
   for start in range(0, len(prompts), batch_prompts):
     chunk = prompts[start:start + batch_prompts]
     rollouts = generate(model, [list(p.token_ids) for p in chunk], params, seed=seed + start, mesh=mesh)
@@ -33,11 +46,41 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
                          [int(x) for x in rollouts.completion_lengths], rewards)
     correct.append(np.asarray(scored.correct, bool).reshape(len(chunk), k))
     lengths.append(rollouts.completion_lengths)
+    if entropy_temperature is not None:
+      total, count = answer_entropy(model, rollouts.to_learner_arrays(), entropy_temperature,
+                                    entropy_rows, mesh)
+      entropy_sum, entropy_count = entropy_sum + total, entropy_count + count
   matrix = np.concatenate(correct) if correct else np.zeros((0, k), bool)
   return {"avg": float(avg_at_k(matrix)) if len(matrix) else float("nan"),
           "pass": float(pass_at_k_from_samples(matrix, k)) if len(matrix) else float("nan"),
           "correct": matrix, "prompts_too_long": too_long,
+          "entropy": entropy_sum / entropy_count if entropy_count else float("nan"),
           "response_length_mean": float(np.concatenate(lengths).mean()) if lengths else float("nan")}
+
+
+@nnx.jit(static_argnames=("temperature",))
+def _entropy_sums(model, input_ids, attention_mask, response_mask, temperature: float):
+  hidden = model(input_ids, attention_mask, return_hidden=True)
+  stats = token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
+                      temperature=temperature)
+  mask = response_mask[:, 1:].astype(jnp.float32)  # position t predicts token t + 1
+  return jnp.sum(stats.entropy * mask), jnp.sum(mask)
+
+
+def answer_entropy(model, arrays: dict[str, np.ndarray], temperature: float, rows: int,
+                   mesh=None) -> tuple[float, float]:
+  """``(sum of entropies, number of answer tokens)`` of ``learner_arrays``-layout answers, ``rows``
+  at a time (the last block zero-padded, so one compiled program serves every block); with a
+  mesh (the model's) the blocks are replicated on it."""
+  total = count = 0.0
+  for start in range(0, len(arrays["input_ids"]), rows):
+    block = [arrays[k][start:start + rows] for k in ("input_ids", "attention_mask", "response_mask")]
+    block = [np.pad(v, ((0, rows - len(v)), (0, 0))) for v in block]
+    block = [jnp.asarray(v) if mesh is None else global_array(v, NamedSharding(mesh, P()))
+             for v in block]
+    s, c = _entropy_sums(model, *block, float(temperature))
+    total, count = total + float(host_array(s)), count + float(host_array(c))
+  return total, count
 
 
 def evaluate_problems(run, state) -> dict[str, float]:
@@ -57,7 +100,9 @@ def evaluate_problems(run, state) -> dict[str, float]:
     result = evaluate(model, run.tokenizer, problems, k=k, temperature=cfg.eval.temperature,
                       max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
                       stop_ids=run.stop_ids, rewards=cfg.rewards,
-                      prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg, q), seed=cfg.seed, mesh=run.mesh)
+                      prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg, q), seed=cfg.seed, mesh=run.mesh,
+                      entropy_temperature=run.learner.config.sampling_temperature)
     metrics[f"eval_{name}_avg@{k}"] = result["avg"]
     metrics[f"eval_{name}_pass@{k}"] = result["pass"]
+    metrics[f"eval_{name}_entropy"] = result["entropy"]
   return metrics

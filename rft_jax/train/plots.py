@@ -1,6 +1,7 @@
 """The paper's figures from one or several runs' ``metrics.jsonl``, side by side, as PNG.
 
-Panels: policy entropy; reward and accuracy (with evaluation Avg@K where logged); PPO
+Panels: policy entropy (of the training batch, and of the held-out answers where evaluated);
+reward and accuracy (with evaluation Avg@K where logged); PPO
 clip fractions and entropy-mask fractions; the Corollary 4 forecast of the entropy
 change against the measured change (where ``forecast_every`` was set).
 """
@@ -28,7 +29,10 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
   runs = {os.path.basename(os.path.normpath(d)): read_metrics(d) for d in run_dirs}
   fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
   for name, records in runs.items():
-    axes[0].plot(*_series(records, "entropy"), label=name)
+    entropy_line, = axes[0].plot(*_series(records, "entropy"), label=f"{name} training batch")
+    for key in sorted({k for r in records for k in r if k.startswith("eval_") and k.endswith("_entropy")}):
+      axes[0].plot(*_series(records, key), "o--", color=entropy_line.get_color(),
+                   label=f"{name} {key[5:]}")
     line, = axes[1].plot(*_series(records, "accuracy"), label=f"{name} train acc")
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval_") and "avg@" in k})
     for key in eval_keys:
