@@ -1,7 +1,5 @@
 """The GRPO train step on a tiny random Qwen: exactness, masks, sharding, learning."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -43,7 +42,7 @@ def encode_pairs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Seq
   for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
     seq = list(p) + list(r)
     if len(seq) > max_len:
-      raise ValueError(f"sft: example {i} has {len(seq)} tokens, more than max_len={max_len}")
+      raise ValueError(f"row {i}: {len(seq)} tokens (chat prompt + response) exceed max_len={max_len}")
     ids[i, :len(seq)] = seq
     mask[i, len(p):len(seq)] = 1.0
     attention[i, :len(seq)] = 1
@@ -111,11 +110,10 @@ def sft_files(model_path: str, data_path: str, out: str, config: SFTConfig, *,
   prompts = [chat_token_ids(tokenizer, e.question) for e in examples]
   responses = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + [end]
                for e in examples]
-  for row, (p, r) in enumerate(zip(prompts, responses)):
-    if len(p) + len(r) > config.max_len:
-      raise DatasetError(f"{data_path}: row {row}: {len(p) + len(r)} tokens (chat prompt + "
-                         f"response) exceed max_len={config.max_len}")
-  ids, mask, attention = encode_pairs(prompts, responses, config.max_len)
+  try:
+    ids, mask, attention = encode_pairs(prompts, responses, config.max_len)
+  except ValueError as exc:  # an over-long example, named by its row
+    raise DatasetError(f"{data_path}: {exc}") from exc
   sft(model, ids, mask, attention, config, log)
   save_hf(model, out, tokenizer=tokenizer)
   return model
