@@ -14,12 +14,9 @@ import os
 import sys
 import tempfile
 
-import jax.numpy as jnp
 import numpy as np
 
 from rft_jax.demo.run import write_demo_data
-from rft_jax.rl.advantages import compute_advantages
-from rft_jax.rl.learner import LearnerBatch
 from rft_jax.train import loop
 from rft_jax.train.config import load_config
 
@@ -30,13 +27,9 @@ def main(overrides: list[str]) -> None:
     cfg = load_config("configs/demo.yaml", [f"run_dir={root}", f"data.train_path={train_path}",
                                             "eval.every=0", "progress=false", *overrides])
     run, state = loop.build_run(cfg)
-    part = loop.sample_and_score(run, state, next(run.stream), seed=1)
-    n = cfg.sampling.n
-    arrays, rewards, _ = loop._select_groups([part], n, cfg.data.prompts_per_step, False)
-    adv = np.asarray(compute_advantages(jnp.asarray(rewards), n, cfg.learner.advantage))
-    batch = LearnerBatch(advantages=adv, **{k: arrays[k] for k in (
-        "input_ids", "attention_mask", "response_mask", "sampler_logp")})
-    response = arrays["response_mask"][:, 1:] * arrays["attention_mask"][:, 1:]
+    rollouts = loop.step_rollouts(run, state, step=1)
+    batch, rewards, adv = rollouts.batch, rollouts.rewards, rollouts.batch.advantages
+    response = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
 
     def sequence_logp(state):
       stats = run.learner.batch_stats(state.params, run.learner.place_batch(batch))

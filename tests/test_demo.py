@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import numpy as np
 
 from rft_jax.demo.run import run_demo
@@ -20,9 +21,15 @@ def test_shipped_checkpoint_loads_through_load_hf():
 
 
 def test_short_demo_prints_a_table_and_draws_plots(tmp_path, capsys):
+  cache = tmp_path / "jax_cache"
   overrides = [f"run_dir={tmp_path}", f"model.path={CHECKPOINT}", "steps=2", "eval.every=2",
-               "progress=false", "data.prompts_per_step=8"]
-  summaries = run_demo(os.path.join(ROOT, "configs", "demo.yaml"), overrides, variants=("grpo", "clip_b"))
+               "progress=false", "data.prompts_per_step=8", "learner.micro_batch_size=64",
+               f"compilation_cache_dir={cache}"]
+  try:
+    summaries = run_demo(os.path.join(ROOT, "configs", "demo.yaml"), overrides, variants=("grpo", "clip_b"))
+  finally:  # the cache setting is process-wide: later tests compile without it
+    jax.config.update("jax_compilation_cache_dir", None)
+  assert len(os.listdir(cache)) >= 3  # sampler, learner and evaluation programs were kept
   out = capsys.readouterr().out
   assert "variant" in out and "clip_b" in out and "Avg@" in out
   for s in summaries.values():

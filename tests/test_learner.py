@@ -97,20 +97,27 @@ def test_one_step_moves_likelihood_with_the_advantage():
   assert change[adv > 0].mean() > 0 > change[adv < 0].mean()
 
 
-def test_gradient_accumulation_is_exact():
-  """One micro-batch of 16 or four of 4: the same update (token-mean over the batch)."""
+@pytest.mark.parametrize("mask", ["none", "clip_b"])
+def test_gradient_accumulation_is_exact(mask):
+  """One micro-batch of 16 (one forward pass: statistics, mask and gradient) or four of 4
+  (a pre-update pass, then accumulated gradients): the same update and the same metrics."""
   model = tiny_model()
   batch, _ = synthetic_batch(model)
   results = []
   for micro in (16, 4):
     model = tiny_model()
-    learner = Learner(model, config(micro_batch_size=micro, max_grad_norm=None))
+    learner = Learner(model, config(micro_batch_size=micro, max_grad_norm=None,
+                                    entropy_mask=EntropyMaskConfig(kind=mask, mu_low=0.5)))
+    assert learner._single_pass(16) == (micro == 16)
     state, metrics = learner.step(learner.init(model), batch)
     results.append((state.params, metrics))
   (p1, m1), (p2, m2) = results
-  assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+  assert (m1["mask_frac"] > 0) == (mask == "clip_b")
+  for key in m1:
+    assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Adam divides by |g|: where a gradient is ~eps, summation order shows at ~1e-5 (lr 3e-3).
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5)
 
 
 def test_training_lowers_the_loss_and_clip_b_slows_entropy_collapse():

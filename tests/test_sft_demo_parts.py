@@ -4,7 +4,7 @@ import numpy as np
 from flax import nnx
 
 from rft_jax.demo.build import demo_model_config
-from rft_jax.demo.task import addition_problems, worked_answer
+from rft_jax.demo.task import addition_problems, slipped_sum, worked_answer
 from rft_jax.demo.tokenizer import build_char_tokenizer
 from rft_jax.models import Qwen, chat_token_ids, load_tokenizer
 from rft_jax.rewards import RewardConfig, score_batch
@@ -18,6 +18,20 @@ def test_task_is_deterministic_and_graded_by_the_math_reward():
   texts = [worked_answer(p) for p in a[:4]] + ["no box " + a[4].answer]
   result = score_batch(texts, [p.answer for p in a[:5]], ["stop"] * 5, [10] * 5, RewardConfig(num_workers=1))
   assert result.reward.tolist() == [1, 1, 1, 1, 0]
+
+
+def test_a_slipping_teacher_forgets_exactly_one_carry():
+  rng = np.random.default_rng(0)
+  assert slipped_sum(12, 13, rng) == 25  # no column carries: nothing to forget
+  assert {slipped_sum(47, 385, rng) for _ in range(50)} == {422, 332}  # units or tens carry dropped
+  assert {slipped_sum(95, 5, rng) for _ in range(50)} == {90, 0}
+  problems = addition_problems(400, seed=2)
+  answers = [worked_answer(p, slip_rate=0.5, rng=rng) for p in problems]
+  wrong = [a for a, p in zip(answers, problems) if not a.endswith(f"{{{p.answer}}}")]
+  carrying = [p for p in problems if slipped_sum(*map(int, p.id.split("+")), rng) != int(p.answer)]
+  assert 0.35 < len(wrong) / len(carrying) < 0.65  # about half of the answers that can slip do
+  assert all(a.split("=")[1].split(".")[0] == a.split("{")[1].rstrip("}") for a in answers)
+  assert [worked_answer(p) for p in problems] == [worked_answer(p, slip_rate=0.0, rng=rng) for p in problems]
 
 
 def test_char_tokenizer_round_trips_and_has_a_chat_template(tmp_path):

@@ -1,6 +1,6 @@
 """Rebuilds the demo's warm-started checkpoint: tokenizer, a small Qwen3-layout model,
-supervised fine-tuning on worked addition answers (``rft-jax sft``'s code), saved in
-Hugging Face form.
+supervised fine-tuning on worked addition answers from a teacher who forgets a carry in
+30% of them (``rft-jax sft``'s code), saved in Hugging Face form.
 
     python -m rft_jax.demo.build --out rft_jax/demo/checkpoint
 
@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 
+import numpy as np
 from flax import nnx
 
 from rft_jax.demo.task import addition_problems, worked_answer
@@ -34,17 +35,19 @@ def demo_model_config(vocab_size: int) -> QwenConfig:
                     bos_token_id=None, eos_token_id=2)
 
 
-def build(out: str, *, steps: int, problems: int, max_digits: int, log_every: int = 100) -> None:
+def build(out: str, *, steps: int, problems: int, max_digits: int, slip_rate: float,
+          log_every: int = 100) -> None:
   """Tokenizer and random model saved in HF form, worked answers written as JSONL, then the
   same supervised fine-tuning as ``rft-jax sft --model INIT --data PAIRS --out OUT``."""
   examples = addition_problems(problems, seed=SFT_SEED, max_digits=max_digits)
+  rng = np.random.default_rng(SFT_SEED)
   with tempfile.TemporaryDirectory() as tmp:
     init = os.path.join(tmp, "init")
     tokenizer = build_char_tokenizer(init)
     save_hf(Qwen(demo_model_config(len(tokenizer)), rngs=nnx.Rngs(0)), init, tokenizer=tokenizer)
     pairs = os.path.join(tmp, "pairs.jsonl")
     with open(pairs, "w") as f:
-      f.writelines(json.dumps({"question": e.question, "response": worked_answer(e)}) + "\n"
+      f.writelines(json.dumps({"question": e.question, "response": worked_answer(e, slip_rate=slip_rate, rng=rng)}) + "\n"
                    for e in examples)
     start = time.time()
 
@@ -62,9 +65,12 @@ def main() -> None:
   parser.add_argument("--out", default="rft_jax/demo/checkpoint")
   parser.add_argument("--steps", type=int, default=600)
   parser.add_argument("--problems", type=int, default=2000)
-  parser.add_argument("--max-digits", type=int, default=3)
+  parser.add_argument("--max-digits", type=int, default=2)
+  parser.add_argument("--slip-rate", type=float, default=0.3,
+                      help="fraction of worked answers in which the teacher forgets a carry")
   args = parser.parse_args()
-  build(args.out, steps=args.steps, problems=args.problems, max_digits=args.max_digits)
+  build(args.out, steps=args.steps, problems=args.problems, max_digits=args.max_digits,
+        slip_rate=args.slip_rate)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ positions use :func:`rft_jax.entropy.token_stats`, which chunks over positions.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 

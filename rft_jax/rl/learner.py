@@ -16,6 +16,10 @@ A step, all inside one ``jax.jit`` with explicit shardings:
    old log-probs are taken from the same forward pass (stop-gradient): the ratio is
    exactly 1.
 
+When the step is a single update on a single micro-batch (``mini_batches = ppo_epochs = 1``
+and ``micro_batch_size`` = the batch), steps 1-3 share one forward pass: the statistics of
+step 1 are the stop-gradient of the forward the gradient is taken through.
+
 Batches are split into micro-batches by striding rows (micro-batch ``i`` holds rows
 ``i, i + n, ...``) so that each micro-batch stays spread over the data-parallel devices.
 """
@@ -186,11 +190,9 @@ class Learner:
     stats = jax.lax.map(lambda xs: self._token_stats(params, *xs), (ids, attn))
     return jax.tree.map(merge_rows, stats)
 
-  def _micro_loss(self, params, micro, normaliser, first_update):
+  def _loss_terms(self, stats, micro, normaliser, old_logp):
+    """The micro-batch's loss (policy term, KL, entropy bonus) and its clip counts."""
     c = self.config
-    stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
-                              entropy_grad=c.entropy_coef > 0)
-    old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     mask = micro["loss_mask"]
     terms = ppo_clipped_loss(stats.logp, old_logp, micro["advantages"], eps_low=c.eps_low,
                              eps_high=c.eps_high, dual_clip=c.dual_clip)
@@ -208,6 +210,31 @@ class Learner:
         "ratio_dev_max": jnp.max(jnp.where(valid, jnp.abs(terms.ratio - 1.0), 0.0)),
     }
     return loss, counts
+
+  def _micro_loss(self, params, micro, normaliser, first_update):
+    stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
+                              entropy_grad=self.config.entropy_coef > 0)
+    old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
+    return self._loss_terms(stats, micro, normaliser, old_logp)
+
+  def _single_pass_loss(self, params, per_token, response):
+    """The loss of a step that is one update on one micro-batch: the pre-update statistics
+    (old log-probs, entropy mask) are the stop-gradient of the same forward pass, so the step
+    costs one forward and one backward instead of two forwards and a backward."""
+    stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
+                              entropy_grad=self.config.entropy_coef > 0)
+    fixed = jax.lax.stop_gradient(stats)
+    keep = entropy_keep_mask(self.config, fixed.s_star, fixed.centered, per_token["advantages"], response)
+    micro = dict(per_token, loss_mask=response * keep)
+    normaliser = loss_normaliser(micro["loss_mask"], self.config.max_len)
+    loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
+    return loss, (counts, fixed, keep)
+
+  def _apply(self, state: TrainState, grads) -> tuple[TrainState, jax.Array]:
+    """One optimizer step with ``grads``; returns the new state and the gradient norm."""
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return TrainState(params=params, opt_state=opt_state, step=state.step), optax.tree.norm(grads)
 
   def _update(self, state: TrainState, mini: dict, first_update: bool):
     """One optimizer step on a mini-batch, accumulating over its micro-batches."""
@@ -227,43 +254,49 @@ class Learner:
                    for k, v in zero_counts.items()}
     init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zero_counts)
     (grads, loss, counts), _ = jax.lax.scan(accumulate, init, micros)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return TrainState(params=params, opt_state=opt_state, step=state.step), loss, grad_norm, counts
+    state, grad_norm = self._apply(state, grads)
+    return state, loss, grad_norm, counts
 
   # ---------------------------------------------------------------------------------------
   # The compiled step.
 
+  def _single_pass(self, batch_size: int) -> bool:
+    c = self.config
+    return c.mini_batches == 1 and c.ppo_epochs == 1 and self._micro_batches(batch_size) == 1
+
   def _train_step_fn(self, state: TrainState, batch: LearnerBatch):
     c = self.config
-    stats = self.batch_stats(state.params, batch)
     response = batch.response_mask[:, 1:].astype(jnp.float32) * batch.attention_mask[:, 1:]
     advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
-    keep = entropy_keep_mask(c, stats.s_star, stats.centered, advantages, response)
-    loss_mask = response * keep
-    per_token = {
-        "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-        "loss_mask": loss_mask, "advantages": advantages, "old_logp": stats.logp,
-    }
+    per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages}
     if c.kl_coef > 0:
       if batch.ref_logp is None:
         raise ValueError("learner.kl_coef > 0 needs batch.ref_logp (reference log-probs)")
       per_token["ref_logp"] = batch.ref_logp[:, 1:]
-
     lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
-    losses, grad_norms = [], []
-    counts = None
-    updates_done = 0
-    for _ in range(c.ppo_epochs):
-      minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
-      for i in range(c.mini_batches):
-        mini = {k: v[i] for k, v in minis.items()}
-        state, loss, grad_norm, mini_counts = self._update(state, mini, first_update=updates_done == 0)
-        losses.append(loss)
-        grad_norms.append(grad_norm)
-        counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
-        updates_done += 1
+
+    if self._single_pass(batch.input_ids.shape[0]):
+      grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
+      (loss, (counts, stats, keep)), grads = grad_fn(state.params, per_token, response)
+      state, grad_norm = self._apply(state, grads)
+      loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
+    else:
+      stats = self.batch_stats(state.params, batch)
+      keep = entropy_keep_mask(c, stats.s_star, stats.centered, advantages, response)
+      loss_mask = response * keep
+      per_token.update(loss_mask=loss_mask, old_logp=stats.logp)
+      losses, grad_norms = [], []
+      counts = None
+      updates_done = 0
+      for _ in range(c.ppo_epochs):
+        minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
+        for i in range(c.mini_batches):
+          mini = {k: v[i] for k, v in minis.items()}
+          state, loss, grad_norm, mini_counts = self._update(state, mini, first_update=updates_done == 0)
+          losses.append(loss)
+          grad_norms.append(grad_norm)
+          counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
+          updates_done += 1
 
     valid = response > 0
     n_loss_tokens = jnp.maximum(jnp.sum(loss_mask) * updates_done, 1.0)

@@ -129,6 +129,8 @@ class TrainConfig:
       with fresh prompts, up to ``max_refills`` extra sampling rounds per step.
     checkpoint_every / keep_checkpoints: orbax checkpoints (0: only at the end).
     progress: show a progress bar.
+    compilation_cache_dir: where JAX keeps compiled programs across processes ('' = off), so
+      that a rerun or a resumed run skips the compilations it has seen before.
   """
 
   run_dir: str = "runs/default"
@@ -146,6 +148,7 @@ class TrainConfig:
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
   progress: bool = True
+  compilation_cache_dir: str = ""
 
   def __post_init__(self):
     for key, value in (("model.path", self.model.path), ("data.train_path", self.data.train_path)):

@@ -153,8 +153,20 @@ def trim_left_padding(arrays: dict[str, np.ndarray], multiple: int = 16) -> dict
   return {k: v[:, width - keep:] for k, v in arrays.items()}
 
 
-def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
-  """One step of the loop; returns the new state and every metric of the step."""
+@dataclasses.dataclass
+class StepRollouts:
+  """A step's sampled, scored and selected groups, ready for the learner."""
+
+  batch: LearnerBatch
+  rewards: np.ndarray  # [B] of the selected groups
+  chosen: list  # (arrays, rewards, part, rows) per selected group
+  parts: list  # every sampling round of the step (refills included)
+  refills: int
+
+
+def step_rollouts(run: Run, state, step: int) -> StepRollouts:
+  """Samples and scores the step's prompts (with dynamic-sampling refills), selects the
+  groups and computes their advantages: the learner's batch of step ``step``."""
   cfg = run.config
   n, groups = cfg.sampling.n, cfg.data.prompts_per_step
   parts = [sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101)]
@@ -173,6 +185,15 @@ def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
   batch = LearnerBatch(input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"],
                        response_mask=arrays["response_mask"], advantages=np.asarray(advantages),
                        sampler_logp=arrays["sampler_logp"])
+  return StepRollouts(batch, rewards, chosen, parts, refills)
+
+
+def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
+  """One step of the loop; returns the new state and every metric of the step."""
+  n = run.config.sampling.n
+  rollouts = step_rollouts(run, state, step)
+  batch, rewards, chosen, parts, refills = (rollouts.batch, rollouts.rewards, rollouts.chosen,
+                                            rollouts.parts, rollouts.refills)
   t0 = time.perf_counter()
   state, metrics = run.learner.step(state, batch)
   learn_time = time.perf_counter() - t0
@@ -213,6 +234,8 @@ def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
   """
   main = is_main_process()
   os.makedirs(cfg.run_dir, exist_ok=True)
+  if cfg.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
   if main:
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
       f.write(to_yaml(cfg))
