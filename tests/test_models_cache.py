@@ -39,6 +39,24 @@ _prefill = nnx.jit(lambda m, ids, mask, cache: m.prefill(ids, mask, cache))
 _decode = nnx.jit(lambda m, tokens, cache: m.decode_step(tokens, cache), donate_argnums=2)
 
 
+def test_decode_step_with_unstacked_layers_and_vocab_major_logits(model):
+  """The decode loop's CPU form (layers sliced once, ``[V, B]`` logits) equals the default."""
+  prompt, mask = left_padded_batch()
+  cache = model.init_cache(len(LENGTHS), MAX_LEN)
+  _, cache = _prefill(model, jnp.asarray(prompt), jnp.asarray(mask), cache)
+  tokens = jnp.asarray([3, 5, 7])
+
+  @nnx.jit
+  def both(m, tokens, cache):
+    logits, _ = m.decode_step(tokens, cache)
+    hidden, _ = m.decode_step(tokens, cache, layers=m.unstacked_layers(), return_hidden=True)
+    return logits, m.vocab_major_logits(hidden)
+
+  logits, vocab_major = both(model, tokens, cache)
+  assert vocab_major.shape == logits.shape[::-1]
+  np.testing.assert_allclose(vocab_major.T, logits, rtol=1e-5, atol=1e-5)
+
+
 def _reference(model, prompt, mask, tokens):
   """Full-forward logits of the prompt plus ``tokens`` at the last prompt position and after."""
   ids = np.concatenate([prompt, tokens], axis=1)

@@ -123,6 +123,27 @@ def test_strategy_logprob_is_before_truncation():
   np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[:, 0], rtol=1e-6)
 
 
+def test_cache_slots_round_up_to_whole_vectors():
+  from rft_jax.sampling.loop import SLOT_MULTIPLE, cache_slots
+
+  assert SLOT_MULTIPLE == 16
+  assert [cache_slots(64, m) for m in (1, 2, 16, 17, 128)] == [64, 80, 80, 80, 192]
+  assert cache_slots(1024, 4096) == 1024 + 4096
+
+
+@pytest.mark.parametrize("strategy", [Strategy(), Strategy(truncate=True), Strategy(greedy=True)])
+def test_strategy_on_vocab_major_logits_equals_rows(strategy):
+  """``vocab_axis=0`` (``[V, B]`` logits, the CPU decode loop's layout) draws the same tokens
+  with the same log-probabilities as ``[B, V]``."""
+  logits = jax.random.normal(jax.random.key(1), (16, 300)) * 3
+  keys = jax.random.split(jax.random.key(2), 16)
+  args = (keys, jnp.float32(0.7), jnp.int32(20), jnp.float32(0.9))
+  tokens, logp = jax.jit(strategy)(logits, *args)
+  tokens_t, logp_t = jax.jit(lambda z, *a: strategy(z, *a, vocab_axis=0))(logits.T, *args)
+  np.testing.assert_array_equal(tokens_t, tokens)
+  np.testing.assert_allclose(logp_t, logp, rtol=1e-6, atol=1e-6)
+
+
 def _rollouts() -> Rollouts:
   return Rollouts(
       prompt_ids=np.array([[0, 7, 8], [5, 6, 9]], np.int32),

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.config import QwenConfig
-from rft_jax.models.layers import RMSNorm, apply_rope, normal_init, param
+from rft_jax.models.layers import RMSNorm, normal_init, param, rope_cos_sin, rotate
 
 # Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
 # uniform (unused) distribution instead of NaN.
@@ -94,17 +94,29 @@ class Attention(nnx.Module):
     bias = getattr(self, f"{name}_bias", None)
     return out if bias is None else out + bias[...].astype(self.dtype)
 
-  def qkv(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"]
+  def rope(self, positions: Int[Array, "B T"]
+           ) -> tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]:
+    """The RoPE cos/sin tables at ``positions`` (the same for every layer: compute them once)."""
+    head_dim = self.k_proj.shape[-1]
+    return rope_cos_sin(positions, head_dim, self.rope_theta, self.dtype)
+
+  def qkv(self, x: Float[Array, "B T D"],
+          rope: tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]
           ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
-    """Projections, then (Qwen3) per-head RMSNorm of q and k, then RoPE at ``positions``."""
+    """Projections, then (Qwen3) per-head RMSNorm of q and k, then RoPE (``rope``: the
+    :meth:`rope` tables at the tokens' positions)."""
     x = x.astype(self.dtype)
     q, k, v = self._proj(x, "q"), self._proj(x, "k"), self._proj(x, "v")
     if hasattr(self, "q_norm"):
       q, k = self.q_norm(q), self.k_norm(k)
-    return apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta), v
+    return rotate(q, *rope), rotate(k, *rope), v
 
   def out(self, o: Float[Array, "B T N H"]) -> Float[Array, "B T D"]:
     """Output projection (and its bias when the config has one)."""
-    y = jnp.einsum("btnh,nhd->btd", o.astype(self.dtype), self.o_proj[...].astype(self.dtype))
+    b, t, n, h = o.shape
+    # Heads and head width flattened into one contracted axis (a free reshape of both operands):
+    # with two contracted axes, XLA:CPU may transpose the weight to (h, n) order at every call.
+    y = (o.astype(self.dtype).reshape(b, t, n * h)
+         @ self.o_proj[...].astype(self.dtype).reshape(n * h, -1))
     bias = getattr(self, "o_bias", None)
     return y if bias is None else y + bias[...].astype(self.dtype)

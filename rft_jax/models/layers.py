@@ -70,6 +70,26 @@ def rope_inv_freq(head_dim: int, theta: float) -> Float[Array, "H/2"]:
   return 1.0 / (jnp.float32(theta) ** exponents)
 
 
+def rope_cos_sin(positions: Int[Array, "B T"], head_dim: int, theta: float, dtype
+                 ) -> tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]:
+  r""":math:`\cos\phi` and :math:`\sin\phi` of :func:`apply_rope`, shared by every head and layer.
+
+  :math:`\phi = p \cdot \theta^{-2i/H}` repeated twice along the head dimension, computed in
+  float32; cos/sin are cast to ``dtype`` (the rotated activations'), as HF does.
+  """
+  angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, theta)  # [B, T, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+  return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def rotate(x: Float[Array, "B T n H"], cos: Float[Array, "B T 1 H"], sin: Float[Array, "B T 1 H"]
+           ) -> Float[Array, "B T n H"]:
+  r""":math:`y = x \cos\phi + \mathrm{rotate\_half}(x) \sin\phi` (see :func:`apply_rope`)."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x * cos + rotated * sin
+
+
 def apply_rope(x: Float[Array, "B T n H"], positions: Int[Array, "B T"], theta: float
                ) -> Float[Array, "B T n H"]:
   r"""Rotary embedding in the Hugging Face ``rotate_half`` convention.
@@ -79,14 +99,7 @@ def apply_rope(x: Float[Array, "B T n H"], positions: Int[Array, "B T"], theta: 
   :math:`\mathrm{rotate\_half}([x_1, x_2]) = [-x_2, x_1]`. Angles are computed in float32 and
   cos/sin cast to ``x.dtype`` before the product, as HF does.
   """
-  inv_freq = rope_inv_freq(x.shape[-1], theta)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-  cos = jnp.cos(angles).astype(x.dtype)
-  sin = jnp.sin(angles).astype(x.dtype)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return x * cos + rotated * sin
+  return rotate(x, *rope_cos_sin(positions, x.shape[-1], theta, x.dtype))
 
 
 class MLP(nnx.Module):

@@ -23,7 +23,7 @@ from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, na
                               tree_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
-from rft_jax.sampling.loop import LoopSpec, sample_loop
+from rft_jax.sampling.loop import LoopSpec, cache_slots, sample_loop
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import Rollouts
 
@@ -91,7 +91,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   live = np.arange(batch) < num
 
   n, m = params.n, params.max_new_tokens
-  cache = empty_cache(model.config, batch * n, width + m - 1, cache_dtype, mesh, rules)
+  cache = empty_cache(model.config, batch * n, cache_slots(width, m), cache_dtype, mesh, rules)
   inputs = [ids, mask, fingerprints, live]
   if mesh is not None:
     inputs = [global_array(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape,

@@ -7,11 +7,11 @@ One call of :func:`sample_loop`, for ``B`` (bucketed) prompts of (bucketed) leng
    last prompt position's logits (``n`` rows per prompt: the prompt's cache rows and logits are
    repeated, never recomputed);
 2. for each segment ``j`` with end ``E_j`` (:func:`segment_ends`: doubling, the last is ``M``):
-   copy the cache so far into an ``R``-row cache of ``P + E_j - 1`` slots (the last segment's is
-   the donated one, of ``P + M - 1`` slots), then ``while step < E_j and not all(done)``: feed
-   each row's last token, draw the next. A decode step reads every slot of its cache, so
-   growing caches keep a step's reads within about twice the live context; once every row is
-   done, the remaining segments run no step.
+   copy the cache so far into an ``R``-row cache of ``cache_slots(P, E_j)`` slots (the last
+   segment's is the donated one, of ``cache_slots(P, M)``), then
+   ``while step < E_j and not all(done)``: feed each row's last token, draw the next. A decode
+   step reads every slot of its cache, so growing caches keep a step's reads within about twice
+   the live context; once every row is done, the remaining segments run no step.
 
 A row is *done* once it has emitted a stop token (which it keeps) or is a dummy row padding the
 batch bucket. Tokens drawn by done rows are not recorded: their slots hold token 0 and log-prob 0.
@@ -83,6 +83,15 @@ def _record(state: LoopState, tokens: Int[Array, "R"], logp: Float[Array, "R"],
 
 
 MIN_SEGMENT = 16
+SLOT_MULTIPLE = 16
+
+
+def cache_slots(prompt_length: int, new_tokens: int) -> int:
+  """Slots of a cache for ``new_tokens`` decode steps after a ``prompt_length``-slot prompt:
+  ``P + E - 1`` (the last drawn token is never fed back) rounded up to a multiple of
+  :data:`SLOT_MULTIPLE`. The spare slots stay masked; whole vector widths along the slot axis
+  make the score product over ``[B, K, H, S]`` keys about a quarter faster on CPU."""
+  return -(-(prompt_length + new_tokens - 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
 def segment_ends(max_new_tokens: int, segments: int) -> tuple[int, ...]:
@@ -130,7 +139,7 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
 
   Args:
     graphdef, state: ``nnx.split(model)``; the parameter arrays are used where they are.
-    cache: an empty cache of ``B * n`` rows and ``P + M - 1`` slots, donated.
+    cache: an empty cache of ``B * n`` rows and ``cache_slots(P, M)`` slots, donated.
     prompt_ids, prompt_mask: left-padded prompts; dummy rows have an all-zero mask.
     fingerprints: per-prompt key material (:func:`~rft_jax.sampling.keys.prompt_fingerprints`).
     live: False on dummy prompts.
@@ -148,8 +157,10 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
   axes = cache.logical_axes()
   rows = ("batch", None)
 
+  on_cpu = _on_cpu(mesh)
+  layers = model.unstacked_layers() if on_cpu else None
   prompt_cache = _constrain(model.init_cache(b, p, dtype=cache.dtype), axes, mesh, rules)
-  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache)
+  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, layers=layers)
 
   def repeat(x):
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
@@ -171,8 +182,14 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
   loop = _record(loop, tokens, logp, spec.stop_token_ids)
 
   def body(s: LoopState) -> LoopState:
-    logits, cache = model.decode_step(s.last_tokens, s.cache)
-    tokens, logp = spec.strategy(logits, step_keys(keys, s.step), temperature, top_k, top_p)
+    if on_cpu:  # the [V, B] product is the faster one there (Qwen.vocab_major_logits)
+      hidden, cache = model.decode_step(s.last_tokens, s.cache, layers=layers, return_hidden=True)
+      logits, vocab_axis = model.vocab_major_logits(hidden), 0
+    else:
+      logits, cache = model.decode_step(s.last_tokens, s.cache, layers=layers)
+      vocab_axis = 1
+    tokens, logp = spec.strategy(logits, step_keys(keys, s.step), temperature, top_k, top_p,
+                                 vocab_axis=vocab_axis)
     s = s.replace(cache=_constrain(cache, axes, mesh, rules))
     return _record(s, tokens, logp, spec.stop_token_ids)
 
@@ -181,11 +198,21 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     if end == m:
       segment = cache  # the donated buffer
     else:
-      segment = _constrain(model.init_cache(r, p + end - 1, dtype=cache.dtype), axes, mesh, rules)
+      segment = _constrain(model.init_cache(r, cache_slots(p, end), dtype=cache.dtype), axes,
+                           mesh, rules)
     loop = loop.replace(cache=_constrain(_grow(previous, segment, repeats), axes, mesh, rules))
     loop = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, loop)
     previous, repeats = loop.cache, 1
   return loop.replace(cache=None), loop.cache
+
+
+def _on_cpu(mesh: Mesh | None) -> bool:
+  """Whether the program runs on CPU, where the layers are sliced once per call rather than per
+  decode step (see ``Qwen.unstacked_layers``: a copy of the layer weights, held for the call;
+  elsewhere the slices stay in the loop and no copy is held), and decode steps compute their
+  logits vocabulary-major (``Qwen.vocab_major_logits``)."""
+  devices = mesh.devices.flat if mesh is not None else jax.devices()
+  return next(iter(devices)).platform == "cpu"
 
 
 def _grow(cache: KVCache, into: KVCache, repeats: int) -> KVCache:

@@ -63,20 +63,46 @@ def categorical(keys: jax.Array, logits: Float[Array, "B V"]) -> Int[Array, "B"]
   when rounding pushes the target past the end of a prefix sum, the last entry of nonzero
   weight is taken.
   """
-  rows, v = logits.shape
+  return draw(keys, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))[0]
+
+
+def draw(keys: jax.Array, weights: Float[Array, "B V"], *, vocab_axis: int = 1
+         ) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
+  r""":func:`categorical` from unnormalised weights ``w >= 0`` (``exp`` of shifted logits).
+
+  Args:
+    keys: ``[B]`` typed PRNG keys.
+    weights: ``[B, V]``, or ``[V, B]`` (vocabulary-major) with ``vocab_axis=0``.
+
+  Returns:
+    ``(tokens int32 [B], total weight [B])``: the total is :math:`\sum_i w_i`, so that a
+    caller holding the weights of the untruncated distribution gets its log-normaliser free.
+  """
+  v = weights.shape[vocab_axis]
   block = 1 << max(int(v - 1).bit_length() + 1, 2) // 2  # 2**ceil(log2(V) / 2)
   blocks = -(-v // block)
-  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-  weights = jnp.pad(weights, ((0, 0), (0, blocks * block - v))).reshape(rows, blocks, block)
-  block_cdf = jnp.cumsum(jnp.sum(weights, axis=-1), axis=-1)  # [B, blocks]
+  pad = [(0, 0), (0, 0)]
+  pad[vocab_axis] = (0, blocks * block - v)
+  weights = jnp.pad(weights, pad)
+  if vocab_axis == 1:
+    weights = weights.reshape(-1, blocks, block)  # [B, blocks, block]
+    block_sums = jnp.sum(weights, axis=-1)
+  else:
+    weights = weights.reshape(blocks, block, -1)  # [blocks, block, B]
+    block_sums = jnp.sum(weights, axis=1).T
+  block_cdf = jnp.cumsum(block_sums, axis=-1)  # [B, blocks]
+  total = block_cdf[:, -1]
   target = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-  target = target * block_cdf[:, -1]
+  target = target * total
   j = _first_above(block_cdf, target)
   below = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None],
                                                axis=-1)[:, 0], 0.0)
-  inner = jnp.take_along_axis(weights, j[:, None, None], axis=1)[:, 0]  # [B, block]
+  if vocab_axis == 1:
+    inner = jnp.take_along_axis(weights, j[:, None, None], axis=1)[:, 0]  # [B, block]
+  else:
+    inner = jnp.take_along_axis(weights, j[None, None, :], axis=0)[0].T
   i = _first_above(jnp.cumsum(inner, axis=-1), target - below)
-  return (j * block + i).astype(jnp.int32)
+  return (j * block + i).astype(jnp.int32), total
 
 
 def _first_above(cdf: Float[Array, "B K"], target: Float[Array, "B"]) -> Int[Array, "B"]:
@@ -110,12 +136,14 @@ class Strategy:
                truncate=not params.greedy and (params.top_k > 0 or params.top_p < 1))
 
   def __call__(self, logits: Float[Array, "B V"], keys: jax.Array,
-               temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""]
-               ) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
+               temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""],
+               *, vocab_axis: int = 1) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
     """One token per row and its log-probability (see the module docstring for which one).
 
     Args:
-      logits: raw next-token logits.
+      logits: raw next-token logits, ``[B, V]``; or ``[V, B]`` with ``vocab_axis=0`` (what
+        ``Qwen.vocab_major_logits`` returns; plain sampling then runs on that layout, greedy and
+        truncated sampling on its transpose).
       keys: ``[B]`` typed PRNG keys, one per row (unused when greedy).
       temperature: T > 0 (ignored when greedy).
       top_k, top_p: truncation (ignored unless ``truncate``).
@@ -124,10 +152,19 @@ class Strategy:
       ``(tokens int32 [B], logp float32 [B])``.
     """
     logits = logits.astype(jnp.float32)
+    if vocab_axis not in (0, 1):
+      raise ValueError(f"Strategy: vocab_axis={vocab_axis} must be 0 or 1")
+    if vocab_axis == 0 and (self.greedy or self.truncate):
+      logits, vocab_axis = logits.T, 1
     if self.greedy:
       tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return tokens, token_logprob(logits, tokens)
     scaled = logits / temperature
-    truncated = truncate(scaled, top_k, top_p) if self.truncate else scaled
-    tokens = categorical(keys, truncated)
-    return tokens, token_logprob(scaled, tokens)
+    if self.truncate:
+      tokens = categorical(keys, truncate(scaled, top_k, top_p))
+      return tokens, token_logprob(scaled, tokens)
+    # One exp pass serves both the draw and the log-normaliser.
+    shifted = scaled - jnp.max(scaled, axis=vocab_axis, keepdims=True)
+    tokens, total = draw(keys, jnp.exp(shifted), vocab_axis=vocab_axis)
+    picked = jnp.take_along_axis(shifted, jnp.expand_dims(tokens, vocab_axis), axis=vocab_axis)
+    return tokens, jnp.squeeze(picked, vocab_axis) - jnp.log(total)
