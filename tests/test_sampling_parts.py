@@ -45,8 +45,8 @@ def test_sampling_params_normalise_and_hash():
 
 
 def test_buckets():
-  assert [prompt_length_bucket(x) for x in (1, 16, 17, 100, 1024, 1025, 3000)] == [
-      16, 16, 32, 128, 1024, 2048, 3072]
+  assert [prompt_length_bucket(x) for x in (1, 16, 17, 24, 25, 48, 49, 100, 700, 769, 1024, 1025, 3000)] == [
+      16, 16, 24, 24, 32, 48, 64, 128, 768, 1024, 1024, 2048, 3072]
   assert [batch_bucket(x) for x in (1, 3, 4, 5, 33)] == [1, 4, 4, 8, 64]
   assert [batch_bucket(x, 4) for x in (1, 3, 5)] == [4, 4, 8]
   assert batch_bucket(5, 6) == 12  # a multiple of the data axis

@@ -166,3 +166,10 @@ def test_answer_entropy_equals_a_full_forward_in_any_block_size():
   assert count == mask.sum() == rollouts.completion_lengths.sum()
   np.testing.assert_allclose(total, (entropy * mask).sum(), rtol=1e-5)
   np.testing.assert_allclose(answer_entropy(model, arrays, 0.7, rows=16), (total, count), rtol=1e-6)
+
+
+def test_running_mean_of_the_plots():
+  from rft_jax.train.plots import running_mean
+  np.testing.assert_allclose(running_mean([1, 3, 5, 7], 2), [1, 2, 4, 6])
+  np.testing.assert_allclose(running_mean([1, 3, 5, 7], 1), [1, 3, 5, 7])
+  np.testing.assert_allclose(running_mean([2, 4], 10), [2, 3])

@@ -1,8 +1,10 @@
 """Shape buckets: a training run compiles one sampling program per bucket, not one per batch.
 
-Prompt lengths round up to a power of two (at least :data:`MIN_PROMPT_BUCKET`) up to
-:data:`POW2_LIMIT`, then to a multiple of it; prompt counts round up to a power of two and then
-to a multiple of the mesh's data-axis size.
+Prompt lengths round up to half octaves, ``2^k`` or ``1.5 * 2^k`` (at least
+:data:`MIN_PROMPT_BUCKET`), up to :data:`POW2_LIMIT`, then to a multiple of it: twice the
+programs of power-of-two buckets, but a prompt is padded by at most a third instead of
+doubled, and every decode step reads the padding's cache slots. Prompt counts round up to a
+power of two and then to a multiple of the mesh's data-axis size.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ def _next_pow2(x: int) -> int:
 
 
 def prompt_length_bucket(length: int) -> int:
-  """16, 32, 64, ..., 1024, then multiples of 1024 (the smallest one ``>= length``)."""
+  """16, 24, 32, 48, 64, 96, ..., 768, 1024, then multiples of 1024 (the smallest ``>= length``)."""
   if length < 1:
     raise ValueError(f"prompt length {length} must be >= 1")
-  if length <= POW2_LIMIT:
-    return max(MIN_PROMPT_BUCKET, _next_pow2(length))
-  return -(-length // POW2_LIMIT) * POW2_LIMIT
+  if length > POW2_LIMIT:
+    return -(-length // POW2_LIMIT) * POW2_LIMIT
+  octave = _next_pow2(length)
+  return max(MIN_PROMPT_BUCKET, octave * 3 // 4 if length <= octave * 3 // 4 else octave)
 
 
 def batch_bucket(num_prompts: int, data_size: int = 1) -> int:

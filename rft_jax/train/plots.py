@@ -3,7 +3,9 @@
 Panels: policy entropy (of the training batch, and of the held-out answers where evaluated);
 reward and accuracy (with evaluation Avg@K where logged); PPO
 clip fractions and entropy-mask fractions; the Corollary 4 forecast of the entropy
-change against the measured change (where ``forecast_every`` was set).
+change against the measured change (where ``forecast_every`` was set). Per-step series of
+the training batch are drawn faintly with their running mean on top: they vary with the
+batch's prompts as much as with the policy.
 """
 
 from __future__ import annotations
@@ -11,12 +13,32 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
+
 from rft_jax.train.metrics_log import read_metrics
 
 
 def _series(records, key):
   points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
   return [p[0] for p in points], [p[1] for p in points]
+
+
+def running_mean(values: Sequence[float], window: int) -> np.ndarray:
+  """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+  sums = np.cumsum(np.concatenate([[0.0], np.asarray(values, np.float64)]))
+  ends = np.arange(1, len(values) + 1)
+  starts = np.maximum(ends - window, 0)
+  return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def _plot_per_step(ax, records, key, label, style="-", **kw):
+  """A per-step series, faint, under its running mean (a tenth of the steps); returns the line."""
+  steps, values = _series(records, key)
+  window = max(len(steps) // 10, 1)
+  line, = ax.plot(steps, running_mean(values, window), style, label=label, **kw)
+  if window > 1:
+    ax.plot(steps, values, style, color=line.get_color(), alpha=0.25, linewidth=0.8)
+  return line
 
 
 def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
@@ -29,16 +51,16 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
   runs = {os.path.basename(os.path.normpath(d)): read_metrics(d) for d in run_dirs}
   fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
   for name, records in runs.items():
-    entropy_line, = axes[0].plot(*_series(records, "entropy"), label=f"{name} training batch")
+    entropy_line = _plot_per_step(axes[0], records, "entropy", f"{name} training batch")
     for key in sorted({k for r in records for k in r if k.startswith("eval_") and k.endswith("_entropy")}):
       axes[0].plot(*_series(records, key), "o--", color=entropy_line.get_color(),
                    label=f"{name} {key[5:]}")
-    line, = axes[1].plot(*_series(records, "accuracy"), label=f"{name} train acc")
+    line = _plot_per_step(axes[1], records, "accuracy", f"{name} train acc")
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval_") and "avg@" in k})
     for key in eval_keys:
       axes[1].plot(*_series(records, key), "o--", color=line.get_color(), label=f"{name} {key[5:]}")
     for key, style in (("clip_frac_low", ":"), ("clip_frac_high", "--"), ("mask_frac", "-")):
-      axes[2].plot(*_series(records, key), style, label=f"{name} {key}")
+      _plot_per_step(axes[2], records, key, f"{name} {key}", style)
     steps, measured = _series(records, "entropy_change_measured")
     forecast = {r["step"]: r.get("entropy_change_forecast") for r in records}
     if steps:
