@@ -108,7 +108,7 @@ def test_gradient_accumulation_is_exact(mask):
     model = tiny_model()
     learner = Learner(model, config(micro_batch_size=micro, max_grad_norm=None,
                                     entropy_mask=EntropyMaskConfig(kind=mask, mu_low=0.5)))
-    assert learner._single_pass(16) == (micro == 16)
+    assert learner.is_single_pass(16) == (micro == 16)
     state, metrics = learner.step(learner.init(model), batch)
     results.append((state.params, metrics))
   (p1, m1), (p2, m2) = results

@@ -260,7 +260,8 @@ class Learner:
   # ---------------------------------------------------------------------------------------
   # The compiled step.
 
-  def _single_pass(self, batch_size: int) -> bool:
+  def is_single_pass(self, batch_size: int) -> bool:
+    """Whether a step on ``batch_size`` rows takes one forward pass (one update, one micro-batch)."""
     c = self.config
     return c.mini_batches == 1 and c.ppo_epochs == 1 and self._micro_batches(batch_size) == 1
 
@@ -275,7 +276,7 @@ class Learner:
       per_token["ref_logp"] = batch.ref_logp[:, 1:]
     lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
 
-    if self._single_pass(batch.input_ids.shape[0]):
+    if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
       (loss, (counts, stats, keep)), grads = grad_fn(state.params, per_token, response)
       state, grad_norm = self._apply(state, grads)
