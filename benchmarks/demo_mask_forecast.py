@@ -15,25 +15,20 @@ the forecast change (per token, in units of the learning rate) before and after 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
 import numpy as np
 
-from rft_jax.demo.run import write_demo_data
+from rft_jax.demo.run import build_demo_run
 from rft_jax.entropy import clip_b_mask, clip_v_mask
 from rft_jax.train import loop
-from rft_jax.train.config import load_config
 
 
 def demo_token_stats(overrides: list[str], batches: int) -> dict[str, np.ndarray]:
   """Per response token of ``batches`` demo batches: ``s_star``, ``centered``, ``advantage``
   (each ``[batches, B, L - 1]``) and the response ``mask``."""
   with tempfile.TemporaryDirectory() as root:
-    train_path, _ = write_demo_data(os.path.join(root, "data"))
-    cfg = load_config("configs/demo.yaml", [f"run_dir={root}", f"data.train_path={train_path}",
-                                            "eval.every=0", "progress=false", *overrides])
-    run, state = loop.build_run(cfg)
+    cfg, run, state = build_demo_run(root, overrides)
     out = {"s_star": [], "centered": [], "advantage": [], "mask": []}
     for step in range(batches):
       batch = loop.step_rollouts(run, state, step).batch

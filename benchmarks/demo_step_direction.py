@@ -10,23 +10,18 @@ and A = 0, and its correlation with A. Any config override is accepted:
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 
 import numpy as np
 
-from rft_jax.demo.run import write_demo_data
+from rft_jax.demo.run import build_demo_run
 from rft_jax.train import loop
-from rft_jax.train.config import load_config
 
 
 def main(overrides: list[str]) -> None:
   with tempfile.TemporaryDirectory() as root:
-    train_path, _ = write_demo_data(os.path.join(root, "data"))
-    cfg = load_config("configs/demo.yaml", [f"run_dir={root}", f"data.train_path={train_path}",
-                                            "eval.every=0", "progress=false", *overrides])
-    run, state = loop.build_run(cfg)
+    cfg, run, state = build_demo_run(root, overrides)
     rollouts = loop.step_rollouts(run, state, step=1)
     batch, rewards, adv = rollouts.batch, rollouts.rewards, rollouts.batch.advantages
     response = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import tempfile
 import time
 
-from rft_jax.demo.run import write_demo_data
+from rft_jax.demo.run import build_demo_run
 from rft_jax.models import load_hf
 from rft_jax.rl.learner import Learner
 from rft_jax.train import loop
-from rft_jax.train.config import load_config
 
 
 def main() -> None:
@@ -30,10 +28,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   args, overrides = parser.parse_known_args()
   with tempfile.TemporaryDirectory() as root:
-    train_path, _ = write_demo_data(os.path.join(root, "data"))
-    cfg = load_config("configs/demo.yaml", [f"run_dir={root}", f"data.train_path={train_path}", "eval.every=0",
-                                            "progress=false", "learner.forecast_every=0", *overrides])
-    run, state = loop.build_run(cfg)
+    cfg, run, state = build_demo_run(root, ["learner.forecast_every=0", *overrides])
     batch = loop.step_rollouts(run, state, step=0).batch
   rows, width = batch.input_ids.shape
   print(f"demo batch: {rows} sequences x {width} tokens")

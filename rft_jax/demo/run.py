@@ -19,7 +19,7 @@ import numpy as np
 from rft_jax.demo.build import EVAL_SEED, RL_SEED
 from rft_jax.demo.task import addition_problems, write_problems
 from rft_jax.train.config import load_config
-from rft_jax.train.loop import train
+from rft_jax.train.loop import build_run, train
 from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.plots import plot_runs
 
@@ -43,6 +43,19 @@ def write_demo_data(data_dir: str, train_size: int = 4000, heldout_size: int = 6
   train_set = [p for p in addition_problems(train_size + heldout_size, seed=RL_SEED) if p.id not in held_ids][:train_size]
   return (write_problems(train_set, os.path.join(data_dir, "train.jsonl")),
           write_problems(heldout, os.path.join(data_dir, "heldout.jsonl")))
+
+
+def build_demo_run(root: str, overrides: Sequence[str] = ()):
+  """The demo's run (``configs/demo.yaml`` + ``overrides``, data written under ``root``, no
+  evaluation) and a fresh train state, for benchmarks that look inside one demo step.
+
+  Returns:
+    ``(config, run, state)`` as :func:`rft_jax.train.loop.build_run` gives them.
+  """
+  train_path, _ = write_demo_data(os.path.join(root, "data"))
+  cfg = load_config("configs/demo.yaml", [f"run_dir={root}", f"data.train_path={train_path}", "eval.every=0",
+                                          "progress=false", *overrides])
+  return (cfg, *build_run(cfg))
 
 
 def _summary(run_dir: str) -> dict[str, float]:
