@@ -36,7 +36,7 @@ VARIANTS = {
 }
 
 
-def write_demo_data(data_dir: str, train_size: int = 4000, heldout_size: int = 64) -> tuple[str, str]:
+def write_demo_data(data_dir: str, train_size: int = 4000, heldout_size: int = 256) -> tuple[str, str]:
   """Training and held-out addition problems (no held-out problem is in the training set)."""
   heldout = addition_problems(heldout_size, seed=EVAL_SEED)
   held_ids = {p.id for p in heldout}
