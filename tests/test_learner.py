@@ -164,14 +164,15 @@ def test_forecast_and_measured_entropy_change_are_reported():
   assert metrics["lr"] == pytest.approx(1e-4)
 
 
-def test_sharded_step_equals_single_device():
+@pytest.mark.parametrize("micro", [4, 16])  # 16: the single-pass step
+def test_sharded_step_equals_single_device(micro):
   model = tiny_model()
   batch, _ = synthetic_batch(model)
-  single = Learner(model, config())
+  single = Learner(model, config(micro_batch_size=micro))
   s1, m1 = single.step(single.init(model), batch)  # donates model's arrays
   mesh = make_mesh(data=4, model=2)
   sharded_model = shard_model(tiny_model(), mesh)
-  learner = Learner(sharded_model, config(), mesh=mesh)
+  learner = Learner(sharded_model, config(micro_batch_size=micro), mesh=mesh)
   state = learner.init(sharded_model)
   assert any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
              for x in jax.tree.leaves(state.params))
