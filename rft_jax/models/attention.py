@@ -12,7 +12,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.config import QwenConfig
-from rft_jax.models.layers import RMSNorm, normal_init, param, rope_cos_sin, rotate
+from rft_jax.models.layers import RMSNorm, normal_init, param, rotate
 
 # Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
 # uniform (unused) distribution instead of NaN.
@@ -71,7 +71,6 @@ class Attention(nnx.Module):
     d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     pd = c.param_dtype
     self.dtype = c.dtype
-    self.rope_theta = c.rope_theta
     self.q_proj = param(normal_init, rngs.params(), (d, n, h), pd, ("embed", "heads", "head_dim"))
     self.k_proj = param(normal_init, rngs.params(), (d, k, h), pd,
                         ("embed", "kv_heads", "head_dim"))
@@ -94,17 +93,11 @@ class Attention(nnx.Module):
     bias = getattr(self, f"{name}_bias", None)
     return out if bias is None else out + bias[...].astype(self.dtype)
 
-  def rope(self, positions: Int[Array, "B T"]
-           ) -> tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]:
-    """The RoPE cos/sin tables at ``positions`` (the same for every layer: compute them once)."""
-    head_dim = self.k_proj.shape[-1]
-    return rope_cos_sin(positions, head_dim, self.rope_theta, self.dtype)
-
   def qkv(self, x: Float[Array, "B T D"],
           rope: tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]
           ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
     """Projections, then (Qwen3) per-head RMSNorm of q and k, then RoPE (``rope``: the
-    :meth:`rope` tables at the tokens' positions)."""
+    ``Qwen.rope`` tables at the tokens' positions)."""
     x = x.astype(self.dtype)
     q, k, v = self._proj(x, "q"), self._proj(x, "k"), self._proj(x, "v")
     if hasattr(self, "q_norm"):

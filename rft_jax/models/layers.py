@@ -72,7 +72,7 @@ def rope_inv_freq(head_dim: int, theta: float) -> Float[Array, "H/2"]:
 
 def rope_cos_sin(positions: Int[Array, "B T"], head_dim: int, theta: float, dtype
                  ) -> tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]:
-  r""":math:`\cos\phi` and :math:`\sin\phi` of :func:`apply_rope`, shared by every head and layer.
+  r""":math:`\cos\phi` and :math:`\sin\phi` of :func:`rotate`, shared by every head and layer.
 
   :math:`\phi = p \cdot \theta^{-2i/H}` repeated twice along the head dimension, computed in
   float32; cos/sin are cast to ``dtype`` (the rotated activations'), as HF does.
@@ -84,22 +84,15 @@ def rope_cos_sin(positions: Int[Array, "B T"], head_dim: int, theta: float, dtyp
 
 def rotate(x: Float[Array, "B T n H"], cos: Float[Array, "B T 1 H"], sin: Float[Array, "B T 1 H"]
            ) -> Float[Array, "B T n H"]:
-  r""":math:`y = x \cos\phi + \mathrm{rotate\_half}(x) \sin\phi` (see :func:`apply_rope`)."""
+  r"""Rotary embedding in the Hugging Face ``rotate_half`` convention.
+
+  :math:`y = x \cos\phi + \mathrm{rotate\_half}(x) \sin\phi` with
+  :math:`\mathrm{rotate\_half}([x_1, x_2]) = [-x_2, x_1]` and ``cos``, ``sin`` from
+  :func:`rope_cos_sin` at the tokens' positions.
+  """
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return x * cos + rotated * sin
-
-
-def apply_rope(x: Float[Array, "B T n H"], positions: Int[Array, "B T"], theta: float
-               ) -> Float[Array, "B T n H"]:
-  r"""Rotary embedding in the Hugging Face ``rotate_half`` convention.
-
-  With :math:`\phi = p \cdot \theta^{-2i/H}` repeated twice along the head dimension,
-  :math:`y = x \cos\phi + \mathrm{rotate\_half}(x) \sin\phi` where
-  :math:`\mathrm{rotate\_half}([x_1, x_2]) = [-x_2, x_1]`. Angles are computed in float32 and
-  cos/sin cast to ``x.dtype`` before the product, as HF does.
-  """
-  return rotate(x, *rope_cos_sin(positions, x.shape[-1], theta, x.dtype))
 
 
 class MLP(nnx.Module):

@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from rft_jax.models.attention import Attention, attend, attend_cache, causal_padding_mask
 from rft_jax.models.config import QwenConfig
 from rft_jax.models.kv_cache import KVCache, init_cache
-from rft_jax.models.layers import MLP, RMSNorm, normal_init, param
+from rft_jax.models.layers import MLP, RMSNorm, normal_init, param, rope_cos_sin
 
 
 def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -52,10 +52,12 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype,
                    param_dtype=c.param_dtype, rngs=rngs)
 
-  def __call__(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"],
+  def __call__(self, x: Float[Array, "B T D"],
+               rope: tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]],
                mask: Bool[Array, "B T T"]) -> Float[Array, "B T D"]:
-    """One layer, attending within ``x`` (``mask``: which keys each query sees)."""
-    q, k, v = self.attn.qkv(self.input_layernorm(x), self.attn.rope(positions))
+    """One layer, attending within ``x`` (``mask``: which keys each query sees; ``rope``:
+    :meth:`Qwen.rope` of the tokens' positions, shared by the layers)."""
+    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
     return self._residual(x, attend(q, k, v, mask))
 
   def extend(self, x: Float[Array, "B T D"],
@@ -64,7 +66,7 @@ class DecoderLayer(nnx.Module):
              v_cache: Float[Array, "B K S H"], index: Int[Array, ""], *, last_only: bool = False):
     """One layer on T new tokens: writes their keys/values at slots ``[index, index + T)`` of
     this layer's cache, then attends to the cache (``mask``: which slots each query sees;
-    ``rope``: ``attn.rope`` of the tokens' positions, shared by the layers). With ``last_only``
+    ``rope``: :meth:`Qwen.rope` of the tokens' positions, shared by the layers). With ``last_only``
     only the last token goes on past the cache write (its attention and MLP), and ``x`` comes
     back ``[B, 1, D]``.
 
@@ -136,12 +138,20 @@ class Qwen(nnx.Module):
   def _embed(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.config.dtype)
 
+  def rope(self, positions: Int[Array, "B T"]
+           ) -> tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]:
+    """The RoPE cos/sin tables at ``positions``: the same for every layer, so computed once
+    per forward pass (or decode loop), outside the layers."""
+    c = self.config
+    return rope_cos_sin(positions, c.head_dim, c.rope_theta, c.dtype)
+
   def _layers(self, x, positions, mask):
     """Scans the stacked layers (the full forward)."""
     graphdef, state = nnx.split(self.layers)
+    rope = self.rope(positions)
 
     def body(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x, positions, mask), None
+      return nnx.merge(graphdef, layer_state)(x, rope, mask), None
 
     if self.config.remat:
       body = jax.checkpoint(body, prevent_cse=False)
@@ -176,7 +186,7 @@ class Qwen(nnx.Module):
     # depend on shapes only, so XLA computes them once, outside a decode loop, and a step only
     # gathers its rows (computed per step, the cos/sin were fused into, and recomputed by, every
     # layer's q and k).
-    tables = layers[0].attn.rope(jnp.arange(cache.max_len)[None])  # [1, S, 1, H] each
+    tables = self.rope(jnp.arange(cache.max_len)[None])  # [1, S, 1, H] each
     rope = tuple(jnp.take(t[0], positions, axis=0, mode="clip") for t in tables)
     k_all, v_all = [], []
     for i, layer in enumerate(layers):

@@ -144,7 +144,7 @@ def trim_left_padding(arrays: dict[str, np.ndarray], multiple: int = 16) -> dict
   """Drops leading columns that are padding in every row, keeping the width a multiple of
   ``multiple`` (a few learner programs per run, not one per width).
 
-  The sampler left-pads prompts to a power-of-two bucket; the learner would otherwise run its
+  The sampler left-pads prompts to a length bucket; the learner would otherwise run its
   forward and backward passes over those columns too.
   """
   width = arrays["attention_mask"].shape[1]
