@@ -61,7 +61,7 @@ def test_theorem1_single_logit_update_is_minus_s_star(case):
   exact = entropy_jvp(z, e_k)
   predicted = jax.jit(E.first_order_logit_update)(z, jnp.array(k), 1.0)
   assert close(exact, predicted, z)
-  assert float(predicted) == -float(s[k])
+  assert float(predicted) == pytest.approx(-float(s[k]), rel=1e-12, abs=1e-15)  # last bit on GPU
 
 
 @given(logits_and_token())
@@ -234,4 +234,6 @@ def test_vectorised_over_leading_axes():
   assert E.expected_discriminator(z).shape == (3, 4)
   assert E.entropy_jvp(z, z).shape == (3, 4)
   flat = E.token_discriminator(z.reshape(12, 11), k.reshape(12))
-  np.testing.assert_array_equal(np.asarray(flat).reshape(3, 4), np.asarray(E.token_discriminator(z, k)))
+  # GPU reductions may be ordered differently for the two shapes: equal to the last few bits
+  np.testing.assert_allclose(np.asarray(flat).reshape(3, 4), np.asarray(E.token_discriminator(z, k)),
+                             rtol=1e-12, atol=1e-15)
