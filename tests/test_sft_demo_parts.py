@@ -1,10 +1,11 @@
 """The demo's building blocks: the synthetic task, the character tokenizer, SFT."""
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from rft_jax.demo.build import demo_model_config
-from rft_jax.demo.task import addition_problems, slipped_sum, worked_answer
+from rft_jax.demo.task import SFT_SEED, addition_problems, heldout_problems, slipped_sum, worked_answer
 from rft_jax.demo.tokenizer import build_char_tokenizer
 from rft_jax.models import Qwen, chat_token_ids, load_tokenizer
 from rft_jax.rewards import RewardConfig, score_batch
@@ -18,6 +19,19 @@ def test_task_is_deterministic_and_graded_by_the_math_reward():
   texts = [worked_answer(p) for p in a[:4]] + ["no box " + a[4].answer]
   result = score_batch(texts, [p.answer for p in a[:5]], ["stop"] * 5, [10] * 5, RewardConfig(num_workers=1))
   assert result.reward.tolist() == [1, 1, 1, 1, 0]
+
+
+def test_held_out_problems_are_in_no_training_set(tmp_path):
+  from rft_jax.demo.run import write_demo_data
+  held = {p.id for p in heldout_problems()}
+  assert len(held) == 256
+  warm_start = addition_problems(8000, seed=SFT_SEED, exclude=held)  # the build's problems
+  assert len({p.id for p in warm_start}) == 8000 and not held & {p.id for p in warm_start}
+  train_path, heldout_path = write_demo_data(str(tmp_path), train_size=2000)
+  read = lambda path: {line.split('"id": "')[1].split('"')[0] for line in open(path)}
+  assert read(heldout_path) == held and len(read(train_path)) == 2000 and not held & read(train_path)
+  with pytest.raises(ValueError, match="only 100"):
+    addition_problems(100, seed=0, max_digits=1, exclude={"1+2"})
 
 
 def test_a_slipping_teacher_forgets_exactly_one_carry():

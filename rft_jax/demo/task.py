@@ -14,24 +14,38 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Collection
 
 import numpy as np
 
 from rft_jax.data import MathExample
 
+SFT_SEED, RL_SEED, EVAL_SEED = 11, 12, 13  # the problems of the warm start, of RL, held out
+HELDOUT_SIZE = 256
 
-def addition_problems(count: int, *, seed: int, max_digits: int = 2) -> list[MathExample]:
-  """``count`` distinct addition problems, deterministic in ``seed``."""
+
+def addition_problems(count: int, *, seed: int, max_digits: int = 2,
+                      exclude: Collection[str] = ()) -> list[MathExample]:
+  """``count`` distinct addition problems, deterministic in ``seed``, none of whose ids
+  (``"a+b"``) is in ``exclude``."""
+  if count > (10**max_digits) ** 2 - len(exclude):
+    raise ValueError(f"addition_problems: {count} distinct problems asked for, but operands of at most "
+                     f"{max_digits} digits give only {(10**max_digits) ** 2} ({len(exclude)} excluded)")
   rng = np.random.default_rng(seed)
-  seen, problems = set(), []
+  seen, problems = set(exclude), []
   while len(problems) < count:
     digits = rng.integers(1, max_digits + 1, size=2)
     a, b = (int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10**d)) for d in digits)
-    if (a, b) in seen:
+    if f"{a}+{b}" in seen:
       continue
-    seen.add((a, b))
+    seen.add(f"{a}+{b}")
     problems.append(MathExample(question=f"What is {a} + {b}?", answer=str(a + b), id=f"{a}+{b}"))
   return problems
+
+
+def heldout_problems(count: int = HELDOUT_SIZE) -> list[MathExample]:
+  """The demo's held-out problems: in neither the warm start's nor the RL training data."""
+  return addition_problems(count, seed=EVAL_SEED)
 
 
 def slipped_sum(a: int, b: int, rng: np.random.Generator) -> int:
