@@ -46,7 +46,7 @@ def test_missing_file_column_and_format_are_clear_errors(tmp_path):
   with pytest.raises(DatasetError, match="no such file"):
     load_math_dataset(str(tmp_path / "nope.jsonl"))
   path = write_jsonl(tmp_path / "cols.jsonl", [{"problem": "x", "answer": "1"}])
-  with pytest.raises(DatasetError, match=r"no column 'question'.*columns: \['problem', 'answer'\]"):
+  with pytest.raises(DatasetError, match=r"no column 'question'.*columns: \['problem', 'answer'\]\); set data.question_field"):
     load_math_dataset(path)
   with pytest.raises(DatasetError, match="unknown dataset format 'dapo'"):
     load_math_dataset(path, "dapo")

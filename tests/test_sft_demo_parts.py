@@ -112,3 +112,6 @@ def test_sft_command_trains_from_files_and_reports_bad_rows(tmp_path, capsys):
   assert cli.main([*args[:-4], "--max-len", "16", "--log-every", "1"]) == 2
   err = capsys.readouterr().err
   assert "row 0" in err and "exceed max_len=16" in err
+  wrong_column = _pairs(tmp_path / "cols.jsonl", [{"question": "What is 1 + 2?", "answer": "3"}])
+  assert cli.main([*args[:4], wrong_column, *args[5:]]) == 2
+  assert "no column 'response'" in (err := capsys.readouterr().err) and "set --response-field" in err

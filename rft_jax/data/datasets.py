@@ -107,6 +107,7 @@ def load_math_dataset(
     question_field: str | None = None,
     answer_field: str | None = None,
     on_bad_row: str = "error",
+    field_settings: tuple[str, str] = ("data.question_field", "data.answer_field"),
 ) -> tuple[list[MathExample], LoadReport]:
   """Loads ``path`` as :class:`MathExample` rows.
 
@@ -115,6 +116,8 @@ def load_math_dataset(
     format: a key of :data:`FORMATS`; ``question_field`` / ``answer_field`` (dotted
       paths, e.g. ``reward_model.ground_truth``) override its columns.
     on_bad_row: ``error`` (raise on the first missing/empty field) or ``skip``.
+    field_settings: what the caller's user sets to choose the question / answer column,
+      named in the error for a missing column (``rft-jax sft`` passes its flags).
   """
   if format not in FORMATS:
     raise DatasetError(f"unknown dataset format {format!r}; choose from {sorted(FORMATS)}")
@@ -123,10 +126,10 @@ def load_math_dataset(
   spec = FORMATS[format]
   fields = {"question": question_field or spec.question, "answer": answer_field or spec.answer}
   data = _read(path)
-  for name, column in fields.items():
+  for (name, column), setting in zip(fields.items(), field_settings):
     if column.split(".")[0] not in data.column_names:
       raise DatasetError(f"{path}: no column '{column.split('.')[0]}' for the {name} "
-                         f"(columns: {data.column_names}); set data.{name}_field")
+                         f"(columns: {data.column_names}); set {setting}")
   report = LoadReport(path=path, rows=len(data))
   examples = []
   for index, row in enumerate(data):

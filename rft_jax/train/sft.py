@@ -105,7 +105,8 @@ def sft_files(model_path: str, data_path: str, out: str, config: SFTConfig, *,
   tokenizer = load_tokenizer(model_path)
   model = load_hf(model_path)
   examples, _ = load_math_dataset(data_path, "jsonl", question_field=question_field,
-                                  answer_field=response_field)
+                                  answer_field=response_field,
+                                  field_settings=("--question-field", "--response-field"))
   end = end_of_turn_id(tokenizer, model.config.eos_token_id)
   prompts = [chat_token_ids(tokenizer, e.question) for e in examples]
   responses = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + [end]
