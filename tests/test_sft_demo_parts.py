@@ -5,7 +5,8 @@ import pytest
 from flax import nnx
 
 from rft_jax.demo.build import demo_model_config
-from rft_jax.demo.task import SFT_SEED, addition_problems, heldout_problems, slipped_sum, worked_answer
+from rft_jax.demo.task import (SFT_SEED, addition_problems, carrying_columns, heldout_problems, slipped_sum,
+                               worked_answer)
 from rft_jax.demo.tokenizer import build_char_tokenizer
 from rft_jax.models import Qwen, chat_token_ids, load_tokenizer
 from rft_jax.rewards import RewardConfig, score_batch
@@ -36,6 +37,7 @@ def test_held_out_problems_are_in_no_training_set(tmp_path):
 
 def test_a_slipping_teacher_forgets_exactly_one_carry():
   rng = np.random.default_rng(0)
+  assert (carrying_columns(12, 13), carrying_columns(47, 385), carrying_columns(95, 5)) == ([], [0, 1], [0, 1])
   assert slipped_sum(12, 13, rng) == 25  # no column carries: nothing to forget
   assert {slipped_sum(47, 385, rng) for _ in range(50)} == {422, 332}  # units or tens carry dropped
   assert {slipped_sum(95, 5, rng) for _ in range(50)} == {90, 0}

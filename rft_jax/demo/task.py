@@ -48,19 +48,25 @@ def heldout_problems(count: int = HELDOUT_SIZE) -> list[MathExample]:
   return addition_problems(count, seed=EVAL_SEED)
 
 
+def carrying_columns(a: int, b: int) -> list[int]:
+  """The columns of ``a + b`` that carry into the next one (units = 0)."""
+  columns, carry, j = [], 0, 0
+  while a // 10**j or b // 10**j:
+    carry = (a // 10**j % 10 + b // 10**j % 10 + carry) // 10
+    if carry:
+      columns.append(j)
+    j += 1
+  return columns
+
+
 def slipped_sum(a: int, b: int, rng: np.random.Generator) -> int:
   """``a + b`` with one carry forgotten (a column that carries, chosen at random), or the
   true sum when no column carries. Forgetting the carry out of column ``j`` (units = 0)
   lowers the sum by exactly ``10 ** (j + 1)``."""
-  carrying_columns, carry, j = [], 0, 0
-  while a // 10**j or b // 10**j:
-    carry = (a // 10**j % 10 + b // 10**j % 10 + carry) // 10
-    if carry:
-      carrying_columns.append(j)
-    j += 1
-  if not carrying_columns:
+  columns = carrying_columns(a, b)
+  if not columns:
     return a + b
-  return a + b - 10 ** (int(rng.choice(carrying_columns)) + 1)
+  return a + b - 10 ** (int(rng.choice(columns)) + 1)
 
 
 def worked_answer(example: MathExample, *, slip_rate: float = 0.0, rng: np.random.Generator | None = None) -> str:
