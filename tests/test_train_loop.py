@@ -173,3 +173,27 @@ def test_running_mean_of_the_plots():
   np.testing.assert_allclose(running_mean([1, 3, 5, 7], 2), [1, 2, 4, 6])
   np.testing.assert_allclose(running_mean([1, 3, 5, 7], 1), [1, 3, 5, 7])
   np.testing.assert_allclose(running_mean([2, 4], 10), [2, 3])
+
+
+def test_steps_after_the_first_compile_nothing_new(setup, tmp_path):
+  """No silent recompiles: with prompts of one length, a 6-step run compiles exactly the
+  programs a 2-step run does (sampler, rewards' bookkeeping, learner, forecast, metrics)."""
+  import jax
+
+  same_length = tmp_path / "same.jsonl"
+  same_length.write_text("".join(json.dumps({"question": "what is 1+1 ?", "answer": str(i % 3)}) + "\n"
+                                 for i in range(8)))
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, _, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+  def count(steps):
+    jax.clear_caches()
+    start = len(compiles)
+    cfg = load_config(None, overrides(setup, tmp_path / f"run{steps}", steps, f"data.train_path={same_length}",
+                                      "eval.every=0", "checkpoint_every=0", "data.val_size=0"))
+    train(cfg, resume=False)
+    return len(compiles) - start
+
+  two, six = count(2), count(6)
+  assert two > 0 and six == two, (two, six)
