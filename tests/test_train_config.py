@@ -24,6 +24,9 @@ def test_yaml_and_overrides_merge_into_dataclasses(tmp_path):
   assert cfg.learner.entropy_mask.kind == "clip_b" and cfg.learner.entropy_mask.resolved_mu_low == 2.5
   assert cfg.learner.temperature == cfg.sampling.temperature  # derived, one source of truth
   assert cfg.learner.max_len == cfg.sampling.max_new_tokens
+  # `key=` on the command line is the empty string (compilation cache off, no instruction)
+  cfg = load_config(path, REQUIRED + ["compilation_cache_dir=", "data.instruction=", "learner.entropy_mask.mu_low=null"])
+  assert cfg.compilation_cache_dir == "" and cfg.data.instruction == "" and cfg.learner.entropy_mask.mu_low is None
 
 
 @pytest.mark.parametrize("override,message", [

@@ -192,7 +192,8 @@ def _describe(exc: OmegaConfBaseException) -> str:
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = (), **defaults) -> TrainConfig:
-  """Merges the schema, ``defaults`` (a dict of fields), the YAML file and dotted overrides."""
+  """Merges the schema, ``defaults`` (a dict of fields), the YAML file and dotted overrides
+  (``key=value``; ``key=`` sets the empty string, ``key=null`` None)."""
   where = path or "the command line"
   try:
     merged = OmegaConf.structured(TrainConfig)
@@ -204,7 +205,9 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (), **defaul
       bad = [o for o in overrides if "=" not in o]
       if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
-      merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+      # `key=` is the empty string (OmegaConf reads it as null, which a str field refuses)
+      merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o + "''" if o.endswith("=") else o
+                                                               for o in overrides]))
     return OmegaConf.to_object(merged)
   except FileNotFoundError as exc:
     raise ConfigError(f"config file not found: {path}") from exc
