@@ -78,27 +78,30 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sample_problems(args: argparse.Namespace):
-  """Loads the model (HF directory or run directory) and data, samples k answers each."""
+  """Loads the model (HF directory or run directory) and data, samples k answers each, with
+  the run's prompt (instruction, system prompt) or, for an HF directory, the defaults;
+  ``--instruction`` / ``--system-prompt`` override either."""
+  import dataclasses
   import os
 
   from rft_jax.data import load_math_dataset
-  from rft_jax.models import chat_token_ids, load_hf, load_tokenizer
+  from rft_jax.models import load_hf, load_tokenizer
   from rft_jax.rewards import RewardConfig
   from rft_jax.train.config import DataConfig
   from rft_jax.train.evaluate import evaluate
-  from rft_jax.train.loop import stop_token_ids
+  from rft_jax.train.loop import prompt_ids, stop_token_ids
 
   if os.path.exists(os.path.join(args.model, "checkpoints")):
     model, cfg, _ = _restore_model(args.model, args.step)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer, data = load_tokenizer(cfg.model.path), cfg.data
   else:
-    model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
+    model, tokenizer, data = load_hf(args.model), load_tokenizer(args.model), DataConfig()
+  overrides = {"instruction": args.instruction, "system_prompt": args.system_prompt}
+  data = dataclasses.replace(data, **{k: v for k, v in overrides.items() if v is not None})
   problems, _ = load_math_dataset(args.data, args.format, on_bad_row="skip")
-  instruction = DataConfig.instruction
   result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature,
                     max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id),
-                    rewards=RewardConfig(), prompt_fn=lambda q: chat_token_ids(tokenizer, f"{q} {instruction}"),
-                    seed=args.seed)
+                    rewards=RewardConfig(), prompt_fn=lambda q: prompt_ids(tokenizer, data, q), seed=args.seed)
   return problems, result
 
 
@@ -193,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--instruction", help="appended to every question (default: the run's data.instruction, "
+                                         "or the training default for an HF directory; '' for none)")
+    p.add_argument("--system-prompt", help="system message (default: the run's data.system_prompt)")
 
   evaluate = sub.add_parser("eval", help="Avg@K / Pass@K of a run's checkpoint or an HF directory")
   sampling_args(evaluate, 8, 0.7)

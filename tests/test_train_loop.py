@@ -38,10 +38,10 @@ def overrides(setup, run_dir, steps, *extra):
 VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "time_eval", "sample_tokens_per_s")
 
 
-def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
+def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, monkeypatch):
   run_dir = tmp_path / "run"
   assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2",
-                                        "eval.at_start=true")]) == 0
+                                        "eval.at_start=true", "data.instruction=be brief")]) == 0
   start, *records = read_metrics(str(run_dir))
   assert [r["step"] for r in records] == [0, 1, 2]
   assert start["step"] == -1 and 0.0 <= start["eval_val_avg@2"] <= 1.0 and start["time_eval"] > 0
@@ -62,6 +62,18 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path):
   out = tmp_path / "hf"
   assert cli.main(["export", str(run_dir), str(out)]) == 0
   assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+
+  # `rft-jax eval` on the run prompts as the run did (its instruction), unless told otherwise
+  from rft_jax.models import chat_token_ids, load_tokenizer
+  from rft_jax.train import evaluate as evaluate_module
+
+  prompts, real = [], evaluate_module.evaluate
+  monkeypatch.setattr(evaluate_module, "evaluate", lambda *a, prompt_fn, **kw: prompts.append(prompt_fn("what is ?"))
+                      or real(*a, prompt_fn=prompt_fn, **kw))
+  common = ["eval", "--model", str(run_dir), "--data", str(setup[2]), "--k", "1", "--max-new-tokens", "2"]
+  assert cli.main(common) == 0 and cli.main([*common, "--instruction", ""]) == 0
+  tokenizer = load_tokenizer(str(out))
+  assert prompts == [chat_token_ids(tokenizer, "what is ? be brief"), chat_token_ids(tokenizer, "what is ?")]
 
 
 def test_kill_and_resume_across_an_epoch_boundary_matches_an_uninterrupted_run(setup, tmp_path):

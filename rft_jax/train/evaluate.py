@@ -100,7 +100,7 @@ def evaluate_problems(run, state) -> dict[str, float]:
     result = evaluate(model, run.tokenizer, problems, k=k, temperature=cfg.eval.temperature,
                       max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
                       stop_ids=run.stop_ids, rewards=cfg.rewards,
-                      prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg, q), seed=cfg.seed, mesh=run.mesh,
+                      prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg.data, q), seed=cfg.seed, mesh=run.mesh,
                       entropy_temperature=run.learner.config.sampling_temperature)
     metrics[f"eval_{name}_avg@{k}"] = result["avg"]
     metrics[f"eval_{name}_pass@{k}"] = result["pass"]

@@ -30,7 +30,7 @@ from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling import SamplingParams, generate
 from rft_jax.train.checkpoint import RunCheckpointer
-from rft_jax.train.config import TrainConfig, to_yaml
+from rft_jax.train.config import DataConfig, TrainConfig, to_yaml
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metrics_log import MetricsLog, NullLog
 
@@ -77,7 +77,7 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   validation = []
   if cfg.data.val_size > 0:
     examples, validation = data_lib.split_validation(examples, cfg.data.val_size, cfg.seed)
-  prompts, too_long = data_lib.tokenize_prompts(examples, lambda q: prompt_ids(tokenizer, cfg, q),
+  prompts, too_long = data_lib.tokenize_prompts(examples, lambda q: prompt_ids(tokenizer, cfg.data, q),
                                                 cfg.data.max_prompt_len)
   stream = data_lib.PromptStream(prompts, prompts_per_step=cfg.data.prompts_per_step, seed=cfg.seed,
                                  epochs=cfg.data.epochs)
@@ -90,9 +90,10 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   return run, state
 
 
-def prompt_ids(tokenizer: Any, cfg: TrainConfig, question: str) -> list[int]:
-  text = f"{question} {cfg.data.instruction}".strip() if cfg.data.instruction else question
-  return chat_token_ids(tokenizer, text, cfg.data.system_prompt)
+def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
+  """A question's chat prompt: ``data.instruction`` appended, ``data.system_prompt`` if set."""
+  text = f"{question} {data.instruction}".strip() if data.instruction else question
+  return chat_token_ids(tokenizer, text, data.system_prompt)
 
 
 def _sampling_params(cfg: TrainConfig, stop_ids) -> SamplingParams:
