@@ -187,6 +187,20 @@ def test_running_mean_of_the_plots():
   np.testing.assert_allclose(running_mean([2, 4], 10), [2, 3])
 
 
+def test_forecast_correlation_pairs_forecast_and_measured_of_the_same_step():
+  from rft_jax.train.plots import forecast_correlation
+  rng = np.random.default_rng(0)
+  forecast = rng.normal(size=20)
+  records = [{"step": i, "entropy_change_forecast": f, "entropy_change_measured": 1e4 * f + 0.1 * rng.normal()}
+             for i, f in enumerate(forecast)]
+  records += [{"step": 3, "eval_val_avg@2": 0.5}, {"step": 20, "entropy_change_forecast": 1.0}]  # unpaired
+  assert forecast_correlation(records) > 0.99  # scale-free: 1e4 apart, still r ~ 1
+  flipped = [{**r, "entropy_change_measured": -r["entropy_change_measured"]} for r in records[:20]]
+  assert forecast_correlation(flipped) < -0.99
+  assert np.isnan(forecast_correlation(records[:2]))
+  assert np.isnan(forecast_correlation([{**r, "entropy_change_forecast": 0.0} for r in records[:5]]))
+
+
 def test_steps_after_the_first_compile_nothing_new(setup, tmp_path):
   """No silent recompiles: with prompts of one length, a 6-step run compiles exactly the
   programs a 2-step run does (sampler, rewards' bookkeeping, learner, forecast, metrics)."""

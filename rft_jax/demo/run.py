@@ -3,7 +3,8 @@
 Writes the task's data (training and held-out problems, disjoint), trains the three
 variants from the same checkpoint and seed, prints a table (held-out Avg@K and policy entropy
 on the held-out answers before and after training, Pass@K, training accuracy over the first
-and last quarter of the steps, mask fractions) and draws the
+and last quarter of the steps, mask fractions, and the correlation over the steps of the
+Corollary 4 forecast of the entropy change with the measured one) and draws the
 paper-style plots of the three runs into ``RUN_DIR/demo.png``.
 """
 
@@ -20,7 +21,7 @@ from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_
 from rft_jax.train.config import load_config
 from rft_jax.train.loop import build_run, train
 from rft_jax.train.metrics_log import read_metrics
-from rft_jax.train.plots import plot_runs
+from rft_jax.train.plots import forecast_correlation, plot_runs
 
 VARIANTS = {
     "grpo": ["learner.entropy_mask.kind=none"],
@@ -73,6 +74,7 @@ def _summary(run_dir: str) -> dict[str, float]:
       "mask_frac_negative": float(np.mean([r["mask_frac_negative"] for r in steps])),
       "acc_start": float(np.mean([r["accuracy"] for r in steps[:quarter]])),
       "acc_end": float(np.mean([r["accuracy"] for r in steps[-quarter:]])),
+      "forecast_r": forecast_correlation(steps),
   }
 
 
@@ -95,12 +97,13 @@ def run_demo(config_path: str = "configs/demo.yaml", overrides: Sequence[str] = 
         f"per variant, {time.time() - start:.0f} s")
   header = (f"{'variant':<8} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
             f"{'held-out entropy start -> end':>30} {'mask %':>7} {'mask % neg':>10} "
-            f"{'train acc first -> last quarter':>32}")
+            f"{'train acc first -> last quarter':>32} {'forecast r':>10}")
   print(header)
   for name, s in summaries.items():
     print(f"{name:<8} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
           f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>7.3f} "
-          f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f}")
+          f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f} "
+          f"{s['forecast_r']:>10.2f}")
   plot = plot_runs([os.path.join(base.run_dir, v) for v in variants], os.path.join(base.run_dir, "demo.png"))
   print(f"plots: {plot}")
   return summaries

@@ -41,6 +41,19 @@ def _plot_per_step(ax, records, key, label, style="-", **kw):
   return line
 
 
+def forecast_correlation(records: Sequence[dict]) -> float:
+  """Pearson correlation over a run's steps of the Corollary 4 forecast
+  ``-lr Cov(A, S_* - E_p[S])`` with the measured entropy change (NaN under 3 steps or with
+  a constant series). The forecast is first-order in a logit step of size ``lr``; an optimizer
+  moves parameters instead, so the two agree in sign and proportion, not in scale."""
+  pairs = np.array([(r["entropy_change_forecast"], r["entropy_change_measured"]) for r in records
+                    if r.get("entropy_change_forecast") is not None
+                    and r.get("entropy_change_measured") is not None], np.float64).reshape(-1, 2)
+  if len(pairs) < 3 or np.any(np.std(pairs, axis=0) == 0):
+    return float("nan")
+  return float(np.corrcoef(pairs.T)[0, 1])
+
+
 def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
   """Draws the runs' curves into ``out_path`` (PNG) and returns the path."""
   import matplotlib
@@ -64,7 +77,8 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
     steps, measured = _series(records, "entropy_change_measured")
     forecast = {r["step"]: r.get("entropy_change_forecast") for r in records}
     if steps:
-      axes[3].scatter([forecast[s] for s in steps], measured, s=12, label=name)
+      axes[3].scatter([forecast[s] for s in steps], measured, s=12,
+                      label=f"{name} (r = {forecast_correlation(records):.2f})")
   titles = ("policy entropy (nats / token)", "accuracy", "clip and mask fractions",
             "entropy change: forecast vs measured")
   for ax, title in zip(axes, titles):
