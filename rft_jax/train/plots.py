@@ -41,14 +41,19 @@ def _plot_per_step(ax, records, key, label, style="-", **kw):
   return line
 
 
+def _forecast_pairs(records: Sequence[dict]) -> np.ndarray:
+  """``[N, 2]``: (forecast, measured) entropy change of each step that has both."""
+  return np.array([(r["entropy_change_forecast"], r["entropy_change_measured"]) for r in records
+                   if r.get("entropy_change_forecast") is not None
+                   and r.get("entropy_change_measured") is not None], np.float64).reshape(-1, 2)
+
+
 def forecast_correlation(records: Sequence[dict]) -> float:
   """Pearson correlation over a run's steps of the Corollary 4 forecast
   ``-lr Cov(A, S_* - E_p[S])`` with the measured entropy change (NaN under 3 steps or with
   a constant series). The forecast is first-order in a logit step of size ``lr``; an optimizer
   moves parameters instead, so the two agree in sign and proportion, not in scale."""
-  pairs = np.array([(r["entropy_change_forecast"], r["entropy_change_measured"]) for r in records
-                    if r.get("entropy_change_forecast") is not None
-                    and r.get("entropy_change_measured") is not None], np.float64).reshape(-1, 2)
+  pairs = _forecast_pairs(records)
   if len(pairs) < 3 or np.any(np.std(pairs, axis=0) == 0):
     return float("nan")
   return float(np.corrcoef(pairs.T)[0, 1])
@@ -74,11 +79,9 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
       axes[1].plot(*_series(records, key), "o--", color=line.get_color(), label=f"{name} {key[5:]}")
     for key, style in (("clip_frac_low", ":"), ("clip_frac_high", "--"), ("mask_frac", "-")):
       _plot_per_step(axes[2], records, key, f"{name} {key}", style)
-    steps, measured = _series(records, "entropy_change_measured")
-    forecast = {r["step"]: r.get("entropy_change_forecast") for r in records}
-    if steps:
-      axes[3].scatter([forecast[s] for s in steps], measured, s=12,
-                      label=f"{name} (r = {forecast_correlation(records):.2f})")
+    pairs = _forecast_pairs(records)
+    if len(pairs):
+      axes[3].scatter(pairs[:, 0], pairs[:, 1], s=12, label=f"{name} (r = {forecast_correlation(records):.2f})")
   titles = ("policy entropy (nats / token)", "accuracy", "clip and mask fractions",
             "entropy change: forecast vs measured")
   for ax, title in zip(axes, titles):
