@@ -153,6 +153,32 @@ def _sft(args: argparse.Namespace) -> int:
   return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+  import json
+  import os
+
+  # Before jax starts: plan compiles for the named devices only, never touching local
+  # accelerators (or libtpu's lock on them), with N fake devices for cpu:N.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  kind, _, count = args.topology.partition(":")
+  if kind == "cpu" and count.isdigit() and "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={count}").strip()
+  from rft_jax.train.config import load_config
+  from rft_jax.train.plan import PlanError, format_report, plan, topology
+
+  cfg = load_config(args.config, args.overrides, required=("model.path",))
+  try:
+    report = plan(cfg, topology(args.topology),
+                  progress=lambda line: print(f"rft-jax plan: {line}", file=sys.stderr, flush=True))
+  except PlanError as exc:
+    print(f"rft-jax plan: error: {exc}", file=sys.stderr)
+    return 2
+  print(json.dumps(report) if args.json else format_report(report))
+  return 0 if report["fits"] else 1
+
+
 def _plot(args: argparse.Namespace) -> int:
   from rft_jax.train.plots import plot_runs
 
@@ -227,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
   sft_parser.add_argument("--log-every", type=int, default=100)
   sft_parser.set_defaults(func=_sft)
 
+  plan = sub.add_parser("plan", help="compile a config's learner step and sampler for a device "
+                                     "topology (no devices, weights or data) and say if it fits")
+  plan.add_argument("config", help="YAML config; only model.path/config.json is read")
+  plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.micro_batch_size=4")
+  plan.add_argument("--topology", required=True,
+                    help="a TPU topology (v5p:2x2x1, v5e:2x4, v6e:2x4, v4:2x2x1, ...) or cpu:N")
+  plan.add_argument("--json", action="store_true", help="print one JSON object")
+  plan.set_defaults(func=_plan)
+
   plot = sub.add_parser("plot", help="draw the paper's figures for runs side by side")
   plot.add_argument("run_dirs", nargs="+")
   plot.add_argument("--out", default="runs/plots.png")
@@ -235,7 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, extra = parser.parse_known_args(argv)
+  # Options may come anywhere among the dotted overrides: argparse leaves the overrides after an
+  # option unparsed; they are taken here, in order.
+  if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+    args.overrides, extra = [*args.overrides, *extra], []
+  if extra:
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
   try:
     return args.func(args)
   except Exception as exc:  # bad input: one clear line, not a traceback

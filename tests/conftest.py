@@ -6,6 +6,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the suite compiles for TPU topologies, deviceless) takes a machine-wide lock file unless
+# told that several processes (pytest-xdist workers) may load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The tests compare float32 math with references. On a GPU, XLA runs float32 matrix products in
 # TF32 by default (logits ~4e-3 off transformers' on an H100: benchmarks/gpu.sh tests); that is a
 # speed setting, not what the tests check. (No effect on CPU.)

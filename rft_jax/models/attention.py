@@ -2,6 +2,16 @@ r"""Grouped-query self-attention with RoPE, optional q/k/v biases (Qwen2) and q/
 
 Shapes: B batch, T query positions, S key positions (T without a cache, the cache length with
 one), N query heads, K key/value heads, G = N / K, H head width, D model width.
+
+Two kinds of attention run here:
+
+* **causal self-attention over a padded batch** (the learner's forward, the sampler's prefill):
+  :func:`causal_self_attention`. A plain implementation materialises ``[B, N, T, T]`` float32
+  scores, 7.5 GB per sequence at T = 8,192 with 28 heads, so it dispatches to an
+  implementation that never does (``QwenConfig.attention``): cuDNN flash attention on GPUs,
+  the Pallas splash-attention kernel on TPUs (both in :mod:`rft_jax.models.attention_kernels`)
+  and, elsewhere, :func:`blockwise_self_attention`, whose memory grows linearly in T;
+* **attention against a KV cache** (decoding, one query per row): :func:`attend_cache`.
 """
 
 from __future__ import annotations
@@ -9,14 +19,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models.config import QwenConfig
+from rft_jax.models.attention_kernels import cudnn_self_attention, splash_self_attention
+from rft_jax.models.config import ATTENTION_KINDS, QwenConfig
 from rft_jax.models.layers import RMSNorm, normal_init, param, rotate
 
 # Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
 # uniform (unused) distribution instead of NaN.
 _MASKED = -1e30
+
+# Queries per block of blockwise_self_attention: a block holds [B, N, BLOCK, T] float32 scores.
+ATTENTION_BLOCK = 512
 
 
 def causal_padding_mask(attention_mask: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
@@ -31,7 +46,8 @@ def attend(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], v: Float[Arra
   r"""Masked softmax attention :math:`\mathrm{softmax}(q k^\top / \sqrt{H}) v`, heads grouped.
 
   Query head ``n`` reads key/value head ``n // G`` (HF ``repeat_kv`` order). Scores and softmax
-  run in float32; probabilities are cast to ``v.dtype`` for the value product.
+  run in float32; probabilities are cast to ``v.dtype`` for the value product. Materialises
+  the ``[B, N, T, S]`` scores: the reference, and the path for a few queries.
   """
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -42,6 +58,88 @@ def attend(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], v: Float[Arra
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
   return out.reshape(b, t, n, h)
+
+
+def blockwise_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"],
+                             v: Float[Array, "B T K H"], valid: Bool[Array, "B T"], *,
+                             block_size: int = ATTENTION_BLOCK) -> Float[Array, "B T N H"]:
+  r"""Causal self-attention, ``block_size`` queries at a time: memory linear in T.
+
+  Query ``t`` sees key ``s`` iff ``s <= t`` and ``valid[b, s] == valid[b, t]``: a real query
+  sees the real keys up to itself (the mask of :func:`causal_padding_mask`), a padding query the
+  padding keys up to itself (so its unused output is finite). Each block of queries is
+  :func:`attend` against all T keys, under ``jax.checkpoint``: the forward pass keeps no
+  block's scores and the backward pass recomputes one block at a time, so the largest
+  temporaries are ``[B, N, block_size, T]`` instead of ``[B, N, T, T]``. Keys after a block
+  are masked rather than skipped (static shapes): twice the score FLOPs of a causal kernel,
+  the price of running on any backend.
+  """
+  b, t, n, h = q.shape
+  if t <= block_size:
+    return attend(q, k, v, _self_mask(jnp.arange(t), valid, valid))
+  pad = -t % block_size
+  blocks = (t + pad) // block_size
+  q_pad = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  valid_pad = jnp.pad(valid, ((0, 0), (0, pad)))
+  q_blocks = q_pad.reshape(b, blocks, block_size, n, h).swapaxes(0, 1)  # [blocks, B, bs, N, H]
+  valid_blocks = valid_pad.reshape(b, blocks, block_size).swapaxes(0, 1)
+  starts = jnp.arange(blocks) * block_size
+
+  @jax.checkpoint
+  def one_block(xs):
+    q_block, q_valid, start = xs
+    return attend(q_block, k, v, _self_mask(start + jnp.arange(block_size), q_valid, valid))
+
+  out = jax.lax.map(one_block, (q_blocks, valid_blocks, starts))  # [blocks, B, bs, N, H]
+  return out.swapaxes(0, 1).reshape(b, t + pad, n, h)[:, :t]
+
+
+def _self_mask(query_index: Int[Array, "T"], query_valid: Bool[Array, "B T"],
+               key_valid: Bool[Array, "B S"]) -> Bool[Array, "B T S"]:
+  causal = jnp.arange(key_valid.shape[1])[None, :] <= query_index[:, None]
+  return causal[None] & (query_valid[:, :, None] == key_valid[:, None, :])
+
+
+def attention_kind(kind: str, platform: str, dtype) -> str:
+  """The implementation ``kind`` stands for on ``platform`` (``cpu``, ``gpu``/``cuda``, ``tpu``).
+
+  ``auto``: splash on TPUs; cuDNN on GPUs for 16-bit activations (its flash kernel has no
+  float32 form), blockwise otherwise. Any other kind is taken as asked.
+  """
+  if kind not in ATTENTION_KINDS:
+    raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION_KINDS}")
+  if kind != "auto":
+    return kind
+  if platform == "tpu":
+    return "splash"
+  if platform in ("gpu", "cuda") and jnp.dtype(dtype).itemsize == 2:
+    return "cudnn"
+  return "blockwise"
+
+
+def causal_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"],
+                          v: Float[Array, "B T K H"], valid: Bool[Array, "B T"], *,
+                          kind: str = "auto", mesh: Mesh | None = None
+                          ) -> Float[Array, "B T N H"]:
+  """Causal self-attention of a padded batch with the implementation ``kind`` chooses.
+
+  At every real query position (``valid``) the result is that of :func:`attend` with
+  :func:`causal_padding_mask`; outputs at padding positions are finite and unused. ``mesh``:
+  the mesh the arrays are laid out on (rows over ``data``); it names the backend, and the
+  splash kernel runs per device under ``shard_map`` on it. The cuDNN path needs each row's
+  real tokens to be contiguous (left and/or right padding only), as the learner's and the
+  sampler's rows are.
+  """
+  platform = (next(iter(mesh.devices.flat)).platform if mesh is not None
+              else jax.default_backend())
+  kind = attention_kind(kind, platform, q.dtype)
+  if kind == "reference":
+    return attend(q, k, v, _self_mask(jnp.arange(q.shape[1]), valid, valid))
+  if kind == "blockwise":
+    return blockwise_self_attention(q, k, v, valid)
+  if kind == "cudnn":
+    return cudnn_self_attention(q, k, v, valid)
+  return splash_self_attention(q, k, v, valid, mesh=mesh)
 
 
 def attend_cache(q: Float[Array, "B T N H"], k_cache: Float[Array, "B K H S"],

@@ -20,6 +20,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QWEN_BOS = 151643  # <|endoftext|>
 QWEN_EOS = 151645  # <|im_end|>
+# Implementations of the causal self-attention (rft_jax.models.attention.causal_self_attention).
+ATTENTION_KINDS = ("auto", "blockwise", "cudnn", "splash", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,9 @@ class QwenConfig:
     dtype: compute dtype of activations and matmuls (norms, RoPE and softmax run in float32).
     param_dtype: storage dtype of the parameters.
     remat: rematerialise each decoder layer in the backward pass.
+    attention: the causal self-attention implementation of the full forward and the prefill
+      (:data:`ATTENTION_KINDS`; ``auto`` chooses by backend, see
+      :func:`rft_jax.models.attention.attention_kind`).
   """
 
   model_type: str
@@ -68,6 +73,7 @@ class QwenConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   remat: bool = False
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -88,6 +94,8 @@ class QwenConfig:
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f"QwenConfig: attention={self.attention!r} is not one of {ATTENTION_KINDS}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
           f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -127,7 +135,7 @@ class QwenConfig:
 
     Args:
       d: the dict.
-      **runtime: ``dtype``, ``param_dtype``, ``remat``.
+      **runtime: ``dtype``, ``param_dtype``, ``remat``, ``attention``.
 
     Raises:
       CheckpointError: unsupported ``model_type``, RoPE scaling kind, sliding window or activation.

@@ -39,7 +39,7 @@ def _listing(names: list[str], limit: int = 20) -> str:
 
 
 def read_config(path: str | Path, **runtime) -> QwenConfig:
-  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat."""
+  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat, attention."""
   path = Path(path)
   file = path / CONFIG_FILE
   if not file.is_file():
@@ -88,7 +88,8 @@ def _set_row(sharding) -> Any:
 
 
 def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
-            mesh: Mesh | None = None, rules: Rules | None = None, remat: bool = False) -> Qwen:
+            mesh: Mesh | None = None, rules: Rules | None = None, remat: bool = False,
+            attention: str = "auto") -> Qwen:
   """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face checkpoint directory.
 
   Args:
@@ -97,13 +98,15 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
     mesh: place every parameter with its ``NamedSharding`` on this mesh (default: one device).
     rules: logical-axis rules (default :data:`rft_jax.parallel.DEFAULT_RULES`).
     remat: rematerialise each layer in the backward pass.
+    attention: the causal self-attention implementation (``QwenConfig.attention``).
 
   Raises:
     CheckpointError: no config / no weights, unsupported config, missing or unexpected tensor
       names (listed), shape mismatches (name, expected and found shapes).
   """
   path = Path(path)
-  config = read_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  config = read_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                       attention=attention)
   files = safetensors_io.weight_map(path)
   expected = hf_keys.expected_tensors(config)
   _check_names_and_shapes(path, config, files, expected)

@@ -8,6 +8,11 @@ Layers are stacked (every layer parameter has a leading ``layers`` axis, built w
   hidden = model(input_ids, attention_mask, return_hidden=True)   # [B, T, D]
   logits = hidden @ model.unembedding()                  # the same, chunk by chunk if needed
 
+The full forward and the prefill run causal self-attention with ``config.attention``
+(:func:`~rft_jax.models.attention.causal_self_attention`: memory linear in T); pass
+``mesh=`` the mesh the arrays live on, which names the backend and lets the TPU kernel run per
+device.
+
 Decoding (``cache`` is a :class:`~rft_jax.models.kv_cache.KVCache` pytree)::
 
   cache = model.init_cache(batch, max_len)
@@ -23,15 +28,24 @@ A decode loop on CPU slices the stacked layers once, outside the loop (see
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models.attention import Attention, attend, attend_cache, causal_padding_mask
+from rft_jax.models.attention import Attention, attend, attend_cache, causal_self_attention
 from rft_jax.models.config import QwenConfig
 from rft_jax.models.kv_cache import KVCache, init_cache
 from rft_jax.models.layers import MLP, RMSNorm, normal_init, param, rope_cos_sin
+
+
+# (q, k, v, valid) -> attention output: causal_self_attention with the model's kind and mesh.
+SelfAttention = Callable[..., Float[Array, "B T N H"]]
+Rope = tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]
 
 
 def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -52,23 +66,40 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype,
                    param_dtype=c.param_dtype, rngs=rngs)
 
-  def __call__(self, x: Float[Array, "B T D"],
-               rope: tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]],
-               mask: Bool[Array, "B T T"]) -> Float[Array, "B T D"]:
-    """One layer, attending within ``x`` (``mask``: which keys each query sees; ``rope``:
+  def __call__(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
+               attention: SelfAttention) -> Float[Array, "B T D"]:
+    """One layer, causal self-attention within ``x`` (``valid``: the real tokens; ``rope``:
     :meth:`Qwen.rope` of the tokens' positions, shared by the layers)."""
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
-    return self._residual(x, attend(q, k, v, mask))
+    return self._residual(x, attention(q, k, v, valid))
 
-  def extend(self, x: Float[Array, "B T D"],
-             rope: tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]],
-             mask: Bool[Array, "B T S"], k_cache: Float[Array, "B K H S"],
-             v_cache: Float[Array, "B K S H"], index: Int[Array, ""], *, last_only: bool = False):
+  def prefill(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
+              attention: SelfAttention, k_cache: Float[Array, "B K H S"],
+              v_cache: Float[Array, "B K S H"], *, last_only: bool = False):
+    """:meth:`__call__` on a prompt that also writes its keys/values at slots ``[0, T)`` of an
+    empty cache layer. Attention reads them as stored (in the cache dtype), as decoding will.
+    With ``last_only`` only the last position goes on past the cache write (``[B, 1, D]``).
+
+    Returns:
+      ``(x, k_cache, v_cache)``.
+    """
+    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1), (0, 0, 0, 0))
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, 0, 0))
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if last_only:  # one query: the plain product, against the real keys
+      x, o = x[:, -1:], attend(q[:, -1:], k, v, valid[:, None, :])
+    else:
+      o = attention(q, k, v, valid)
+    return self._residual(x, o), k_cache, v_cache
+
+  def extend(self, x: Float[Array, "B T D"], rope: Rope, mask: Bool[Array, "B T S"],
+             k_cache: Float[Array, "B K H S"], v_cache: Float[Array, "B K S H"],
+             index: Int[Array, ""]):
     """One layer on T new tokens: writes their keys/values at slots ``[index, index + T)`` of
     this layer's cache, then attends to the cache (``mask``: which slots each query sees;
-    ``rope``: :meth:`Qwen.rope` of the tokens' positions, shared by the layers). With ``last_only``
-    only the last token goes on past the cache write (its attention and MLP), and ``x`` comes
-    back ``[B, 1, D]``.
+    ``rope``: :meth:`Qwen.rope` of the tokens' positions, shared by the layers).
 
     Returns:
       ``(x, k_cache, v_cache)``.
@@ -78,8 +109,6 @@ class DecoderLayer(nnx.Module):
         k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index))
     v_cache = jax.lax.dynamic_update_slice(
         v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0))
-    if last_only:
-      x, q, mask = x[:, -1:], q[:, -1:], mask[:, -1:]
     o = attend_cache(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     return self._residual(x, o), k_cache, v_cache
 
@@ -138,20 +167,24 @@ class Qwen(nnx.Module):
   def _embed(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.config.dtype)
 
-  def rope(self, positions: Int[Array, "B T"]
-           ) -> tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]:
+  def rope(self, positions: Int[Array, "B T"]) -> Rope:
     """The RoPE cos/sin tables at ``positions``: the same for every layer, so computed once
     per forward pass (or decode loop), outside the layers."""
     c = self.config
     return rope_cos_sin(positions, c.head_dim, c.rope_theta, c.dtype)
 
-  def _layers(self, x, positions, mask):
+  def self_attention(self, mesh: Mesh | None = None) -> SelfAttention:
+    """The causal self-attention of the full forward and the prefill (``config.attention``)."""
+    return functools.partial(causal_self_attention, kind=self.config.attention, mesh=mesh)
+
+  def _layers(self, x, positions, valid, mesh):
     """Scans the stacked layers (the full forward)."""
     graphdef, state = nnx.split(self.layers)
     rope = self.rope(positions)
+    attention = self.self_attention(mesh)
 
     def body(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x, rope, mask), None
+      return nnx.merge(graphdef, layer_state)(x, rope, valid, attention), None
 
     if self.config.remat:
       body = jax.checkpoint(body, prevent_cse=False)
@@ -173,12 +206,11 @@ class Qwen(nnx.Module):
                  for i in range(self.config.num_hidden_layers))
 
   def _cached_layers(self, x, positions, mask, cache: KVCache,
-                     layers: tuple[DecoderLayer, ...] | None, last_only: bool):
+                     layers: tuple[DecoderLayer, ...] | None):
     """The layers one by one over their own caches (decoding; see ``kv_cache``'s layout note).
 
     Unrolled rather than scanned: each layer's cache is then read and written in place.
-    ``layers``: :meth:`unstacked_layers`, or None to slice them here. ``last_only``: the last
-    layer finishes the last position only (whose output is all a prefill needs).
+    ``layers``: :meth:`unstacked_layers`, or None to slice them here.
     """
     if layers is None:
       layers = self.unstacked_layers()
@@ -190,8 +222,7 @@ class Qwen(nnx.Module):
     rope = tuple(jnp.take(t[0], positions, axis=0, mode="clip") for t in tables)
     k_all, v_all = [], []
     for i, layer in enumerate(layers):
-      x, k, v = layer.extend(x, rope, mask, cache.k[i], cache.v[i], cache.index,
-                             last_only=last_only and i == len(layers) - 1)
+      x, k, v = layer.extend(x, rope, mask, cache.k[i], cache.v[i], cache.index)
       k_all.append(k)
       v_all.append(v)
     return self.norm(x), tuple(k_all), tuple(v_all)
@@ -200,8 +231,8 @@ class Qwen(nnx.Module):
   # Full forward.
 
   def __call__(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None = None,
-               positions: Int[Array, "B T"] | None = None, *, return_hidden: bool = False
-               ) -> Float[Array, "B T V"] | Float[Array, "B T D"]:
+               positions: Int[Array, "B T"] | None = None, *, return_hidden: bool = False,
+               mesh: Mesh | None = None) -> Float[Array, "B T V"] | Float[Array, "B T D"]:
     """Logits (float32) of every position, or the final normed hidden states.
 
     Args:
@@ -209,12 +240,13 @@ class Qwen(nnx.Module):
       attention_mask: 1 for tokens, 0 for padding; all ones when omitted.
       positions: RoPE positions; ``positions_from_mask(attention_mask)`` when omitted.
       return_hidden: return ``[B, T, D]`` hidden states after the final norm instead of logits.
+      mesh: the mesh the inputs and parameters are laid out on (see the module docstring).
     """
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
     if positions is None:
       positions = positions_from_mask(attention_mask)
-    hidden = self._layers(self._embed(input_ids), positions, causal_padding_mask(attention_mask))
+    hidden = self._layers(self._embed(input_ids), positions, attention_mask.astype(jnp.bool_), mesh)
     return hidden if return_hidden else self.logits(hidden)
 
   # ------------------------------------------------------------------------------------------
@@ -225,7 +257,7 @@ class Qwen(nnx.Module):
     return init_cache(self.config, batch, max_len, dtype)
 
   def extend(self, input_ids: Int[Array, "B T"], token_mask: Int[Array, "B T"], cache: KVCache,
-             *, layers: tuple[DecoderLayer, ...] | None = None, last_only: bool = False
+             *, layers: tuple[DecoderLayer, ...] | None = None
              ) -> tuple[Float[Array, "B T D"], KVCache]:
     """Appends T slots to every row and returns their final hidden states.
 
@@ -233,8 +265,6 @@ class Qwen(nnx.Module):
     else padding. Each query attends to the real tokens in slots up to its own. The caller keeps
     ``cache.index + T <= cache.max_len`` (the write is clamped otherwise). ``layers``: this
     model's :meth:`unstacked_layers`, sliced once by a caller that runs many steps.
-    ``last_only``: return the last position's hidden state only (``[B, 1, D]``), skipping the
-    other positions' attention output and MLP in the last layer.
     """
     t = input_ids.shape[1]
     if t > cache.max_len:
@@ -247,19 +277,41 @@ class Qwen(nnx.Module):
     slots = jnp.arange(cache.max_len)
     query_slots = cache.index + jnp.arange(t)
     mask = (slots[None, :] <= query_slots[:, None])[None] & slot_mask[:, None, :]
-    hidden, k, v = self._cached_layers(self._embed(input_ids), positions, mask, cache, layers,
-                                       last_only)
+    hidden, k, v = self._cached_layers(self._embed(input_ids), positions, mask, cache, layers)
     cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                     positions=cache.positions + jnp.sum(token_mask, axis=-1),
                     index=cache.index + t)
     return hidden, cache
 
   def prefill(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"],
-              cache: KVCache, *, layers: tuple[DecoderLayer, ...] | None = None
-              ) -> tuple[Float[Array, "B V"], KVCache]:
-    """Runs a left-padded prompt batch into ``cache``; returns the last position's logits."""
-    hidden, cache = self.extend(input_ids, attention_mask, cache, layers=layers, last_only=True)
-    return self.logits(hidden[:, -1]), cache
+              cache: KVCache, *, layers: tuple[DecoderLayer, ...] | None = None,
+              mesh: Mesh | None = None) -> tuple[Float[Array, "B V"], KVCache]:
+    """Runs a left-padded prompt batch into the empty ``cache`` (slots ``[0, T)``); returns the
+    last position's logits.
+
+    The prompt attends within itself with :meth:`self_attention` (memory linear in T), not
+    against the cache's slots. ``layers``: as for :meth:`extend`; ``mesh``: as for
+    :meth:`__call__`.
+    """
+    t = input_ids.shape[1]
+    if t > cache.max_len:
+      raise ValueError(f"prefill: {t} prompt tokens exceed the cache length {cache.max_len}")
+    if layers is None:
+      layers = self.unstacked_layers()
+    valid = attention_mask.astype(jnp.bool_)
+    rope = self.rope(positions_from_mask(attention_mask))
+    attention = self.self_attention(mesh)
+    x, k_all, v_all = self._embed(input_ids), [], []
+    for i, layer in enumerate(layers):
+      x, k, v = layer.prefill(x, rope, valid, attention, cache.k[i], cache.v[i],
+                              last_only=i == len(layers) - 1)
+      k_all.append(k)
+      v_all.append(v)
+    cache = KVCache(k=tuple(k_all), v=tuple(v_all),
+                    slot_mask=jax.lax.dynamic_update_slice(cache.slot_mask, valid, (0, 0)),
+                    positions=jnp.sum(attention_mask.astype(jnp.int32), axis=-1),
+                    index=jnp.asarray(t, jnp.int32))
+    return self.logits(self.norm(x)[:, -1]), cache
 
   def decode_step(self, tokens: Int[Array, "B"], cache: KVCache, *,
                   layers: tuple[DecoderLayer, ...] | None = None, return_hidden: bool = False

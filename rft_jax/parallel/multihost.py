@@ -1,8 +1,10 @@
 """Multi-host start-up and the host <-> global-array boundary.
 
-One process runs per host, joined by ``jax.distributed.initialize``. The launch scripts export
-``RFT_JAX_COORDINATOR`` (host:port of process 0), ``RFT_JAX_NUM_PROCESSES`` and
-``RFT_JAX_PROCESS_ID``; without them :func:`initialize_from_env` is a no-op (single host).
+One process runs per host, joined by ``jax.distributed.initialize``. The GPU launch scripts
+export ``RFT_JAX_COORDINATOR`` (host:port of process 0), ``RFT_JAX_NUM_PROCESSES`` and
+``RFT_JAX_PROCESS_ID``; ``launch/tpu_vm.sh`` exports ``RFT_JAX_DISTRIBUTED=tpu`` instead (on a
+TPU VM, jax finds the coordinator and the hosts from the VM's metadata). Without either,
+:func:`initialize_from_env` is a no-op (single host).
 
 Every process holds the same full host batch (prompts come from the same seeded stream, rewards
 are computed from the full gathered rollouts), so inputs become global arrays with
@@ -25,6 +27,9 @@ from jax.sharding import Sharding
 
 def initialize_from_env() -> bool:
   """Calls ``jax.distributed.initialize`` when the launch variables are set; True if it did."""
+  if os.environ.get("RFT_JAX_DISTRIBUTED") == "tpu":
+    jax.distributed.initialize()
+    return True
   coordinator = os.environ.get("RFT_JAX_COORDINATOR")
   if not coordinator:
     return False

@@ -145,16 +145,44 @@ class Learner:
     """A fresh train state holding ``model``'s parameter arrays (in place, with their shardings).
 
     The state owns those arrays from now on: :meth:`step` donates them, so use
-    :meth:`model` (not the ``model`` passed here) after the first step.
+    :meth:`model` (not the ``model`` passed here) after the first step. With a mesh, the
+    optimizer state is created directly in the layout of :meth:`state_shardings`.
     """
     params = nnx.state(model, nnx.Param)
-    opt_state = jax.jit(self.optimizer.init)(params)
-    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
-    if self.mesh is not None:  # anything not laid out on the mesh (counters) is replicated
-      replicated = NamedSharding(self.mesh, PartitionSpec())
-      state = jax.tree.map(lambda x: global_array(
-          x, x.sharding if isinstance(x.sharding, NamedSharding) else replicated), state)
-    return state
+    if self.mesh is None:
+      return TrainState(params=params, opt_state=jax.jit(self.optimizer.init)(params),
+                        step=jnp.zeros((), jnp.int32))
+    shardings = self.state_shardings(params)
+    params = jax.tree.map(global_array, params, shardings.params)
+    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+    return TrainState(params=params, opt_state=opt_state,
+                      step=global_array(jnp.zeros((), jnp.int32), shardings.step))
+
+  def state_shardings(self, params) -> TrainState:
+    """The layout of a train state on the mesh, from its parameters (arrays or abstract
+    ``jax.ShapeDtypeStruct`` with shardings).
+
+    Every copy of the parameter tree inside the optimizer state (AdamW's two moments) is
+    sharded exactly like the parameters (``optax.tree_map_params``); left to the compiler, they
+    came back replicated: two float32 copies of the model on every device, 57 GB at 7B.
+    Parameters not laid out on the mesh, and counters, are replicated.
+    """
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    param_shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params)
+    opt_shardings = optax.tree_map_params(
+        self.optimizer, lambda _, sharding: sharding, jax.eval_shape(self.optimizer.init, params),
+        param_shardings, transform_non_params=lambda _: replicated)
+    return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated)
+
+  def abstract_state(self, params) -> TrainState:
+    """The train state of ``params`` (abstract or concrete, laid out on the mesh) as
+    ``jax.ShapeDtypeStruct`` leaves with the shardings of :meth:`state_shardings`: nothing is
+    allocated, e.g. to compile the step for devices this process does not have."""
+    shapes = jax.eval_shape(lambda p: TrainState(params=p, opt_state=self.optimizer.init(p),
+                                                 step=jnp.zeros((), jnp.int32)), params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, self.state_shardings(params))
 
   def model(self, state: TrainState) -> nnx.Module:
     """The model with ``state``'s parameters (no copy): what the sampler runs."""
@@ -172,7 +200,7 @@ class Learner:
   def _token_stats(self, params, input_ids, attention_mask, entropy_grad=False):
     """Stats of every next-token position ``[b, L-1]`` (position t predicts token t+1)."""
     model = nnx.merge(self.graphdef, params, self._rest)
-    hidden = model(input_ids, attention_mask, return_hidden=True)
+    hidden = model(input_ids, attention_mask, return_hidden=True, mesh=self.mesh)
     return token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
                        temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
                        entropy_grad=entropy_grad)
@@ -343,6 +371,12 @@ class Learner:
     return jax.jit(self._train_step_fn, donate_argnums=0,
                    in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated))
+
+  def lower_step(self, state: TrainState, batch: LearnerBatch) -> jax.stages.Lowered:
+    """The step lowered for ``state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct`` with
+    shardings, e.g. :meth:`abstract_state`): ``.compile().memory_analysis()`` gives its bytes
+    per device (``rft-jax plan``)."""
+    return self._compile(state, batch).lower(state, batch)
 
   def place_batch(self, batch: LearnerBatch) -> LearnerBatch:
     """``batch`` as global arrays with rows over the data axis (unchanged without a mesh).

@@ -23,7 +23,7 @@ from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, na
                               tree_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
-from rft_jax.sampling.loop import LoopSpec, cache_slots, sample_loop
+from rft_jax.sampling.loop import LoopSpec, sample_loop
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import Rollouts
 
@@ -40,6 +40,14 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   different batches share compiled programs. Each prompt is prefilled once for its ``n``
   samples. The completions are a function of the seed, the prompt's tokens and the sample
   index, not of the prompt's place in the list (see :mod:`rft_jax.sampling.keys`).
+
+  With ``params.max_rollouts_per_call``, more prompts than a call may hold run as consecutive
+  calls of one compiled program, on slices of one batch bucket (the last padded with dummies)
+  at the whole list's prompt-length bucket, each prompt with its keys of the whole list: the
+  completions are those of one call, their log-probabilities to float32 rounding (XLA may round
+  a row's sums differently at another batch size: up to ~2e-6 on CPU). A call's KV cache lives
+  as long as the call, so the largest call bounds the memory: at the paper's scale (7B, 64 x 16
+  rollouts of 7,168 new tokens) one call's cache would not fit a chip, 16 x 16 does.
 
   Args:
     model: a :class:`~rft_jax.models.Qwen` (e.g. ``Learner.model(state)``); its parameter arrays
@@ -75,34 +83,38 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       raise ValueError(f"generate: the mesh {dict(mesh.shape)} has no {DATA_AXIS!r} axis")
     data = mesh.shape[DATA_AXIS]
     _check_on_mesh(state, mesh)
-    rules = tuple((name, tuple(target) if isinstance(target, list) else target)
-                  for name, target in (("batch", DATA_AXIS), *rules))  # hashable
+    rules = sampler_rules(rules)
 
-  num = len(prompts)
+  num, n = len(prompts), params.n
   width = prompt_length_bucket(max(len(x) for x in prompts))
-  batch = batch_bucket(num, data)
-  ids = np.zeros((batch, width), np.int32)
-  mask = np.zeros((batch, width), np.int32)
+  batch = batch_bucket(num, data, None if params.max_rollouts_per_call is None
+                       else params.max_rollouts_per_call // n)
+  calls = -(-num // batch)
+  total = calls * batch  # the dummy prompts pad the last call
+  ids = np.zeros((total, width), np.int32)
+  mask = np.zeros((total, width), np.int32)
   for i, prompt in enumerate(prompts):
     ids[i, width - len(prompt):] = prompt
     mask[i, width - len(prompt):] = 1
-  fingerprints = np.zeros((batch, 3), np.uint32)
-  fingerprints[:num] = prompt_fingerprints(prompts)
-  live = np.arange(batch) < num
+  fingerprints = np.zeros((total, 3), np.uint32)
+  fingerprints[:num] = prompt_fingerprints(prompts)  # occurrence numbers count the whole list
+  live = np.arange(total) < num
 
-  n, m = params.n, params.max_new_tokens
-  cache = empty_cache(model.config, batch * n, cache_slots(width, m), cache_dtype, mesh, rules)
-  inputs = [ids, mask, fingerprints, live]
-  if mesh is not None:
-    inputs = [global_array(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape,
-                                             mesh, rules)) for x in inputs]
-  out, cache = sample_loop(graphdef, state, cache, *inputs, np.uint32(seed),
-                           np.float32(params.temperature or 1.0), np.int32(params.top_k),
-                           np.float32(params.top_p),
-                           spec=LoopSpec.of(params), mesh=mesh, rules=rules)
-  del cache
-  tokens, logprobs, lengths, done = (host_array(x) for x in
-                                     (out.tokens, out.logprobs, out.lengths, out.done))
+  spec = LoopSpec.of(params, cache_dtype)
+  outs = []
+  for call in range(calls):  # one compiled program for every call: the same shapes
+    inputs = [x[call * batch:(call + 1) * batch] for x in (ids, mask, fingerprints, live)]
+    if mesh is not None:
+      inputs = [global_array(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape,
+                                               mesh, rules)) for x in inputs]
+    out = sample_loop(graphdef, state, *inputs, np.uint32(seed),
+                      np.float32(params.temperature or 1.0), np.int32(params.top_k),
+                      np.float32(params.top_p), spec=spec, mesh=mesh, rules=rules)
+    # Left on device (a few MB per call) and fetched once every call is queued: the device
+    # does not wait for a transfer between calls. Each call's KV cache is freed when it ends.
+    outs.append((out.tokens, out.logprobs, out.lengths, out.done))
+  tokens, logprobs, lengths, done = (np.concatenate([host_array(o[field]) for o in outs])
+                                     for field in range(4))
   keep = num * n
   return Rollouts(
       prompt_ids=ids[:num],
@@ -115,14 +127,30 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   )
 
 
+def sampler_rules(rules: Rules = DEFAULT_RULES) -> Rules:
+  """``rules`` with ``batch`` on the data axis first, as a hashable tuple (a static argument of
+  the compiled loop)."""
+  return tuple((name, tuple(target) if isinstance(target, list) else target)
+               for name, target in (("batch", DATA_AXIS), *rules))
+
+
+def abstract_cache(config, batch: int, max_len: int, dtype=None, mesh: Mesh | None = None,
+                   rules: Rules = DEFAULT_RULES) -> KVCache:
+  """A :class:`KVCache` of ``jax.ShapeDtypeStruct`` (with its shardings on ``mesh`` when
+  given): shapes and layout, nothing allocated (``rft-jax plan`` counts its bytes)."""
+  abstract = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
+  if mesh is None:
+    return abstract
+  shardings = tree_shardings(abstract, abstract.logical_axes(), mesh, rules)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
 def empty_cache(config, batch: int, max_len: int, dtype=None, mesh: Mesh | None = None,
                 rules: Rules = DEFAULT_RULES) -> KVCache:
   """A zero :class:`KVCache`, created directly with its shardings on ``mesh`` when given."""
-  abstract = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
-  if mesh is None:
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
-  shardings = tree_shardings(abstract, abstract.logical_axes(), mesh, rules)
-  return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), abstract, shardings)
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=getattr(a, "sharding", None)),
+                      abstract_cache(config, batch, max_len, dtype, mesh, rules))
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:

@@ -19,9 +19,10 @@ class SamplingParams:
   distribution the learner's ratio is computed under.
 
   ``n``, ``max_new_tokens``, ``stop_token_ids`` and whether decoding is greedy or truncated
-  (``top_k > 0`` or ``top_p < 1``) shape the compiled program; the values of ``temperature``,
-  ``top_k`` and ``top_p`` are traced, so changing them reuses it. A training run compiles one
-  program per shape bucket.
+  (``top_k > 0`` or ``top_p < 1``) shape the compiled program, and so does
+  ``max_rollouts_per_call`` through the batch bucket; the values of ``temperature``, ``top_k``
+  and ``top_p`` are traced, so changing them reuses it. A training run compiles one program per
+  shape bucket.
 
   Attributes:
     n: completions per prompt (the GRPO group size).
@@ -37,6 +38,13 @@ class SamplingParams:
       last one ``max_new_tokens``): a step then reads the slots of its segment, at most about
       twice the live context, instead of every preallocated slot. Each segment is one more
       compiled decode body; 1 turns it off.
+    max_rollouts_per_call: the most rows (prompts x ``n``, dummy padding rows included) one
+      compiled call decodes at once, i.e. what bounds its KV cache; ``generate`` runs larger
+      batches as several calls of ``max_rollouts_per_call // n`` prompts (rounded down to a
+      multiple of the mesh's data axis, at least one prompt per data shard) and concatenates
+      them: the same completions as one call (log-probabilities to float32 rounding). None:
+      every prompt in one call. At least ``n``: a prompt's ``n`` samples share its prefill, so
+      they are never split across calls.
   """
 
   n: int = 1
@@ -46,6 +54,7 @@ class SamplingParams:
   max_new_tokens: int = 256
   stop_token_ids: tuple[int, ...] = ()
   cache_segments: int = 4
+  max_rollouts_per_call: int | None = None
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -58,6 +67,12 @@ class SamplingParams:
     _check_int("cache_segments", self.cache_segments, minimum=1)
     for name in ("n", "top_k", "max_new_tokens", "cache_segments"):
       object.__setattr__(self, name, int(getattr(self, name)))
+    if self.max_rollouts_per_call is not None:
+      if not _is_int(self.max_rollouts_per_call) or self.max_rollouts_per_call < self.n:
+        raise ValueError(
+            f"SamplingParams.max_rollouts_per_call={self.max_rollouts_per_call!r} must be None or "
+            f"an integer >= n={self.n} (a prompt's n samples run in one call)")
+      object.__setattr__(self, "max_rollouts_per_call", int(self.max_rollouts_per_call))
     if not _is_real(self.temperature) or not math.isfinite(self.temperature) or (
         self.temperature < 0):
       raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a finite "

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rft_jax.models.config import ATTENTION_KINDS
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 
@@ -31,12 +32,21 @@ class ModelConfig:
     path: the directory (required).
     dtype / param_dtype: compute and storage dtypes (``float32`` or ``bfloat16``).
     remat: rematerialise each decoder layer in the backward pass.
+    attention: causal self-attention of the learner's forward and the sampler's prefill:
+      ``auto`` (splash kernel on TPU, cuDNN flash attention on GPU with 16-bit activations,
+      else ``blockwise``), or one of ``blockwise``, ``cudnn``, ``splash``, ``reference`` (the
+      materialised ``[B, N, T, T]`` einsum, for checks).
   """
 
   path: str = ""
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  attention: str = "auto"
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_KINDS:
+      raise ConfigError(f"model.attention={self.attention!r} is not one of {list(ATTENTION_KINDS)}")
 
 
 @dataclasses.dataclass
@@ -71,13 +81,19 @@ class DataConfig:
 
 @dataclasses.dataclass
 class SamplingConfig:
-  """Rollouts: ``n`` completions per prompt at ``temperature`` (0: greedy)."""
+  """Rollouts: ``n`` completions per prompt at ``temperature`` (0: greedy).
+
+  ``max_rollouts_per_call``: the most rollouts (prompts x ``n``) one compiled sampler call
+  decodes, which bounds its KV cache; a step's prompts then run as several calls with the
+  same completions (``SamplingParams.max_rollouts_per_call``; at least ``n``; None: one call).
+  """
 
   n: int = 16
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
   max_new_tokens: int = 1024
+  max_rollouts_per_call: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -151,9 +167,6 @@ class TrainConfig:
   compilation_cache_dir: str = ""
 
   def __post_init__(self):
-    for key, value in (("model.path", self.model.path), ("data.train_path", self.data.train_path)):
-      if not value:
-        raise ConfigError(f"{key} is required (set it in the YAML or as {key}=...)")
     if self.model.dtype not in ("float32", "bfloat16") or self.model.param_dtype not in ("float32", "bfloat16"):
       raise ConfigError(f"model.dtype / model.param_dtype must be float32 or bfloat16, got "
                         f"{self.model.dtype!r} / {self.model.param_dtype!r}")
@@ -171,6 +184,11 @@ class TrainConfig:
       raise ConfigError(f"sampling.n={self.sampling.n}: group advantages need at least 2 samples per prompt")
     if self.sampling.temperature <= 0:
       raise ConfigError("sampling.temperature must be > 0 for RL rollouts (0 is greedy)")
+    if self.sampling.max_rollouts_per_call is not None and (
+        self.sampling.max_rollouts_per_call < self.sampling.n):
+      raise ConfigError(
+          f"sampling.max_rollouts_per_call={self.sampling.max_rollouts_per_call} is below "
+          f"sampling.n={self.sampling.n}: a prompt's n samples run in one sampler call")
     if self.learner.temperature is None:
       self.learner.temperature = self.sampling.temperature
     elif self.learner.temperature != self.sampling.temperature:
@@ -191,10 +209,25 @@ def _describe(exc: OmegaConfBaseException) -> str:
   return f"{text} (key: {key})" if key else text
 
 
-def load_config(path: str | None = None, overrides: Sequence[str] = (), **defaults) -> TrainConfig:
+# Paths a training run cannot start without (``rft-jax plan`` needs only the model's config.json).
+REQUIRED_PATHS = ("model.path", "data.train_path")
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = (), *,
+                required: Sequence[str] = REQUIRED_PATHS, **defaults) -> TrainConfig:
   """Merges the schema, ``defaults`` (a dict of fields), the YAML file and dotted overrides
-  (``key=value``; ``key=`` sets the empty string, ``key=null`` None)."""
+  (``key=value``; ``key=`` sets the empty string, ``key=null`` None), and checks that the
+  ``required`` settings are not empty."""
   where = path or "the command line"
+  config = _merge(path, overrides, defaults, where)
+  for key in required:
+    section, field = key.split(".")
+    if not getattr(getattr(config, section), field):
+      raise ConfigError(f"{where}: {key} is required (set it in the YAML or as {key}=...)")
+  return config
+
+
+def _merge(path: str | None, overrides: Sequence[str], defaults: dict, where: str) -> TrainConfig:
   try:
     merged = OmegaConf.structured(TrainConfig)
     if defaults:

@@ -29,13 +29,17 @@ from rft_jax.sampling import SamplingParams, generate
 def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, temperature: float,
              max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, prompt_fn,
              seed: int = 0, mesh=None, max_prompt_len: int = 4096, batch_prompts: int = 64,
-             entropy_temperature: float | None = None, entropy_rows: int = 16) -> dict[str, Any]:
+             entropy_temperature: float | None = None, entropy_rows: int = 16,
+             max_rollouts_per_call: int | None = None) -> dict[str, Any]:
   """Samples ``k`` answers per problem; returns Avg@k, Pass@k, the correctness matrix and, with
   ``entropy_temperature``, the mean entropy per answer token (``entropy_rows`` answers per
-  forward pass)."""
+  forward pass). ``max_rollouts_per_call``: as ``SamplingParams`` (a run passes its
+  ``sampling.max_rollouts_per_call``, so evaluation fits where training rollouts do)."""
   prompts, too_long = tokenize_prompts(problems, prompt_fn, max_prompt_len)
   params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                          stop_token_ids=stop_ids)
+                          stop_token_ids=stop_ids,
+                          max_rollouts_per_call=(None if max_rollouts_per_call is None
+                                                 else max(max_rollouts_per_call, k)))
   correct, lengths, entropy_sum, entropy_count = [], [], 0.0, 0.0
   for start in range(0, len(prompts), batch_prompts):
     chunk = prompts[start:start + batch_prompts]
@@ -58,9 +62,9 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
           "response_length_mean": float(np.concatenate(lengths).mean()) if lengths else float("nan")}
 
 
-@nnx.jit(static_argnames=("temperature",))
-def _entropy_sums(model, input_ids, attention_mask, response_mask, temperature: float):
-  hidden = model(input_ids, attention_mask, return_hidden=True)
+@nnx.jit(static_argnames=("temperature", "mesh"))
+def _entropy_sums(model, input_ids, attention_mask, response_mask, temperature: float, mesh=None):
+  hidden = model(input_ids, attention_mask, return_hidden=True, mesh=mesh)
   stats = token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
                       temperature=temperature)
   mask = response_mask[:, 1:].astype(jnp.float32)  # position t predicts token t + 1
@@ -71,14 +75,17 @@ def answer_entropy(model, arrays: dict[str, np.ndarray], temperature: float, row
                    mesh=None) -> tuple[float, float]:
   """``(sum of entropies, number of answer tokens)`` of ``learner_arrays``-layout answers, ``rows``
   at a time (the last block zero-padded, so one compiled program serves every block); with a
-  mesh (the model's) the blocks are replicated on it."""
+  mesh (the model's) the block's rows are split over its ``data`` axis (``rows`` rounded up to
+  a multiple of it), as the learner's are."""
+  if mesh is not None:
+    rows = -(-rows // mesh.shape["data"]) * mesh.shape["data"]
   total = count = 0.0
   for start in range(0, len(arrays["input_ids"]), rows):
     block = [arrays[k][start:start + rows] for k in ("input_ids", "attention_mask", "response_mask")]
     block = [np.pad(v, ((0, rows - len(v)), (0, 0))) for v in block]
-    block = [jnp.asarray(v) if mesh is None else global_array(v, NamedSharding(mesh, P()))
+    block = [jnp.asarray(v) if mesh is None else global_array(v, NamedSharding(mesh, P("data")))
              for v in block]
-    s, c = _entropy_sums(model, *block, float(temperature))
+    s, c = _entropy_sums(model, *block, float(temperature), mesh)
     total, count = total + float(host_array(s)), count + float(host_array(c))
   return total, count
 
@@ -101,7 +108,8 @@ def evaluate_problems(run, state) -> dict[str, float]:
                       max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
                       stop_ids=run.stop_ids, rewards=cfg.rewards,
                       prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg.data, q), seed=cfg.seed, mesh=run.mesh,
-                      entropy_temperature=run.learner.config.sampling_temperature)
+                      entropy_temperature=run.learner.config.sampling_temperature,
+                      max_rollouts_per_call=cfg.sampling.max_rollouts_per_call)
     metrics[f"eval_{name}_avg@{k}"] = result["avg"]
     metrics[f"eval_{name}_pass@{k}"] = result["pass"]
     metrics[f"eval_{name}_entropy"] = result["entropy"]

@@ -69,7 +69,7 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   data_size = cfg.mesh.data if cfg.mesh.data > 0 else len(devices) // cfg.mesh.model
   mesh = make_mesh(data=data_size, model=cfg.mesh.model)
   model = load_hf(cfg.model.path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
-                  mesh=mesh, remat=cfg.model.remat)
+                  mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
   tokenizer = load_tokenizer(cfg.model.path)
   examples, report = data_lib.load_math_dataset(
       cfg.data.train_path, cfg.data.format, question_field=cfg.data.question_field,
@@ -99,7 +99,8 @@ def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
 def _sampling_params(cfg: TrainConfig, stop_ids) -> SamplingParams:
   s = cfg.sampling
   return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                        max_new_tokens=s.max_new_tokens, stop_token_ids=stop_ids)
+                        max_new_tokens=s.max_new_tokens, stop_token_ids=stop_ids,
+                        max_rollouts_per_call=s.max_rollouts_per_call)
 
 
 def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any]:

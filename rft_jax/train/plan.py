@@ -1,0 +1,245 @@
+"""``rft-jax plan``: will a run fit? Compile its learner step and sampler for a topology, deviceless.
+
+The run's real programs (``Learner``'s train step; ``sample_loop``'s prefill and decode loop at
+the config's batch and maximum length) are compiled for the devices of a named topology with
+abstract inputs (``jax.ShapeDtypeStruct`` with their shardings): no weights, no data, no
+accelerator. Only ``config.json`` is read from ``model.path``. The compiler's
+``memory_analysis()`` gives each program's bytes per device; a program fits when its
+arguments + outputs - aliased (donated) + temporaries, plus what stays resident beside it
+(the optimizer state while the sampler runs), is at most the device's memory.
+
+Topologies: TPU slices by name (``v5p:2x2x1``, ``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ...;
+needs ``libtpu``, the ``tpu`` extra) and ``cpu:N`` (fake CPU devices; memory per device is the
+host's RAM / N). MaxText's ``train_compile.py`` checks its configs the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rft_jax.models import QwenConfig
+from rft_jax.models.hf import abstract_model, read_config
+from rft_jax.parallel import make_mesh, state_shardings
+from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.sampling import SamplingParams
+from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
+from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
+from rft_jax.sampling.loop import LoopSpec, cache_slots, sample_loop
+from rft_jax.train.config import TrainConfig
+
+GiB = 1024**3
+# Memory per chip as the TPU compiler states it in its out-of-memory messages ("... of N G hbm"),
+# measured with libtpu 0.0.42 (../shared/SCALE.md). Keyed by jax's ``device_kind``.
+TPU_HBM_BYTES = {
+    "TPU v5": int(95.74 * GiB),       # v5p
+    "TPU v5 lite": int(15.75 * GiB),  # v5e
+    "TPU v6 lite": int(31.25 * GiB),  # v6e (Trillium)
+    "TPU v4": int(30.75 * GiB),       # v4, megacore
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class PlanError(ValueError):
+  """A topology or config that cannot be planned; the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """Devices to compile for (possibly not attached to this process) and memory per device."""
+
+  name: str
+  devices: tuple
+  hbm_bytes: int
+
+
+def topology(name: str) -> Topology:
+  """The devices of ``name``: ``cpu:N`` or a TPU topology name such as ``v5p:2x2x1``.
+
+  Raises:
+    PlanError: an unknown name, too few CPU devices, or no ``libtpu``.
+  """
+  kind, _, shape = name.partition(":")
+  if kind == "cpu":
+    if not shape.isdigit() or int(shape) < 1:
+      raise PlanError(f"topology {name!r}: expected cpu:N with N >= 1")
+    n, devices = int(shape), jax.devices("cpu")
+    if len(devices) < n:
+      raise PlanError(f"topology {name!r}: only {len(devices)} CPU devices; start with "
+                      f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Topology(name, tuple(devices[:n]), ram // n)
+  if not kind.startswith("v") or not shape:
+    raise PlanError(f"topology {name!r}: expected cpu:N or a TPU name like v5p:2x2x1")
+  from jax.experimental import topologies
+
+  # v4 chips have two cores; as one "megacore" device each, the mesh has one device per chip.
+  extra = {"chip_config_name": "megacore"} if kind == "v4" else {}
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=name, **extra)
+  except Exception as exc:  # no libtpu, or a name libtpu does not know
+    raise PlanError(f"topology {name!r}: {str(exc).splitlines()[0]} (TPU topologies need "
+                    f"libtpu: pip install 'rft_jax[tpu]')") from exc
+  devices = tuple(desc.devices)
+  kind_name = devices[0].device_kind
+  if kind_name not in TPU_HBM_BYTES:
+    raise PlanError(f"topology {name!r}: unknown memory size of {kind_name!r}")
+  return Topology(name, devices, TPU_HBM_BYTES[kind_name])
+
+
+def _with_shardings(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _bytes_per_device(tree) -> int:
+  """Bytes of one device's shards of an abstract tree with shardings (the largest shard)."""
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _memory(compiled, hbm: int, resident: int = 0) -> dict[str, Any]:
+  m = compiled.memory_analysis()
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+           + m.temp_size_in_bytes + resident)
+  return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+          "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
+          "resident_bytes": resident, "total_bytes": total, "fits": total <= hbm}
+
+
+def model_config(cfg: TrainConfig) -> QwenConfig:
+  """The run's architecture and runtime options, from ``model.path/config.json`` alone."""
+  return read_config(cfg.model.path, dtype=DTYPES[cfg.model.dtype],
+                     param_dtype=DTYPES[cfg.model.param_dtype], remat=cfg.model.remat,
+                     attention=cfg.model.attention)
+
+
+def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None) -> dict[str, Any]:
+  """Compiles the run's learner step and sampler for ``topo``; returns the JSON-able report
+  (see the module docstring; per-device bytes, ``fits`` per program and overall).
+  ``progress`` is called with a line before and after each compilation (minutes at 7B)."""
+  config = model_config(cfg)
+  model_axis = cfg.mesh.model
+  data = cfg.mesh.data if cfg.mesh.data > 0 else len(topo.devices) // model_axis
+  mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
+  graphdef, abstract = nnx.split(abstract_model(config))
+  state = _with_shardings(abstract, state_shardings(abstract, mesh))
+  model = nnx.merge(graphdef, state)
+
+  learner = Learner(model, cfg.learner, mesh=mesh)
+  train_state = learner.abstract_state(nnx.state(model, nnx.Param))
+  rows = cfg.data.prompts_per_step * cfg.sampling.n
+  width = prompt_length_bucket(cfg.data.max_prompt_len) + cfg.sampling.max_new_tokens
+  width = -(-width // 16) * 16
+  row_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+  token = lambda dtype: jax.ShapeDtypeStruct((rows, width), dtype, sharding=row_sharding)
+  batch = LearnerBatch(
+      input_ids=token(jnp.int32), attention_mask=token(jnp.int32), response_mask=token(jnp.int32),
+      advantages=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=row_sharding),
+      sampler_logp=token(jnp.float32),
+      ref_logp=token(jnp.float32) if cfg.learner.kl_coef > 0 else None)
+  progress(f"compiling the learner step ({rows} rows x {width} tokens) for {topo.name} ...")
+  start = time.perf_counter()
+  compiled = learner.lower_step(train_state, batch).compile()
+  learner_report = _memory(compiled, topo.hbm_bytes)
+  learner_report.update(
+      compile_seconds=time.perf_counter() - start,
+      parameter_bytes=_bytes_per_device(train_state.params),
+      optimizer_state_bytes=_bytes_per_device(train_state.opt_state),
+      rows=rows, sequence_length=width, micro_batch_size=cfg.learner.micro_batch_size)
+  progress(f"learner: {learner_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
+           f"{learner_report['compile_seconds']:.0f} s; compiling the sampler ...")
+
+  sampler_report = _plan_sampler(cfg, config, mesh, graphdef, state, topo,
+                                 resident=learner_report["optimizer_state_bytes"])
+  progress(f"sampler: {sampler_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
+           f"{sampler_report['compile_seconds']:.0f} s")
+  return {
+      "topology": topo.name, "devices": len(topo.devices),
+      "device_kind": topo.devices[0].device_kind,
+      "mesh": {"data": data, "model": model_axis}, "hbm_bytes_per_device": topo.hbm_bytes,
+      "model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
+                "hidden_size": config.hidden_size, "dtype": cfg.model.dtype,
+                "param_dtype": cfg.model.param_dtype, "remat": cfg.model.remat,
+                "attention": cfg.model.attention},
+      "learner": learner_report, "sampler": sampler_report,
+      "fits": learner_report["fits"] and sampler_report["fits"],
+      "warnings": layout_warnings(config, model_axis),
+  }
+
+
+def layout_warnings(config: QwenConfig, model_axis: int) -> list[str]:
+  """What the sharding rules cannot split over the ``model`` axis and silently replicate."""
+  sizes = (("query heads", config.num_attention_heads),
+           ("key/value heads", config.num_key_value_heads),
+           ("MLP width", config.intermediate_size), ("vocabulary rows", config.vocab_size))
+  return [f"{size} {name} do not divide mesh.model={model_axis}: those weights"
+          f"{' and the KV cache' if 'key' in name else ''} are replicated over 'model'"
+          for name, size in sizes if model_axis > 1 and size % model_axis]
+
+
+def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, topo: Topology,
+                  resident: int) -> dict[str, Any]:
+  """Compiles one ``sample_loop`` call: the prompts of one call at the longest prompt bucket."""
+  s = cfg.sampling
+  params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          max_new_tokens=s.max_new_tokens, stop_token_ids=(0,),
+                          max_rollouts_per_call=s.max_rollouts_per_call)
+  # One call's prompts, as generate() slices a step's prompts (dummy rows included).
+  data = mesh.shape[DATA_AXIS]
+  max_prompts = None if s.max_rollouts_per_call is None else s.max_rollouts_per_call // s.n
+  batch = batch_bucket(cfg.data.prompts_per_step, data, max_prompts)
+  width = prompt_length_bucket(cfg.data.max_prompt_len)
+  slots = cache_slots(width, s.max_new_tokens)
+  rules = sampler_rules()
+  cache = abstract_cache(config, batch * s.n, slots, mesh=mesh, rules=rules)  # the last segment's
+  rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+  scalar = NamedSharding(mesh, PartitionSpec())
+  inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in (
+      ((batch, width), jnp.int32), ((batch, width), jnp.int32), ((batch, 3), jnp.uint32),
+      ((batch,), jnp.bool_))]
+  scalars = [jax.ShapeDtypeStruct((), dtype, sharding=scalar)
+             for dtype in (jnp.uint32, jnp.float32, jnp.int32, jnp.float32)]
+  start = time.perf_counter()
+  compiled = sample_loop.lower(graphdef, state, *inputs, *scalars, spec=LoopSpec.of(params),
+                               mesh=mesh, rules=rules).compile()
+  report = _memory(compiled, topo.hbm_bytes, resident)
+  report.update(compile_seconds=time.perf_counter() - start,
+                kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
+                rollouts_per_call=batch * s.n, prompt_length=width, cache_slots=slots)
+  return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+  """The report as a few human-readable lines (GiB per device)."""
+  g = lambda b: f"{b / GiB:.1f}"
+  l, s = report["learner"], report["sampler"]
+  mesh = report["mesh"]
+  lines = [
+      f"{report['topology']}: {report['devices']} x {report['device_kind']}, "
+      f"{g(report['hbm_bytes_per_device'])} GiB each; mesh data={mesh['data']} "
+      f"model={mesh['model']}",
+      f"learner  {l['rows']} rows x {l['sequence_length']} tokens, micro-batch "
+      f"{l['micro_batch_size']}: parameters {g(l['parameter_bytes'])} + optimizer "
+      f"{g(l['optimizer_state_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
+      f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])} = "
+      f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
+      f"(compiled in {l['compile_seconds']:.0f} s)",
+      f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, {s['cache_slots']} "
+      f"slots: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
+      f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
+      f"optimizer state {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
+      f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
+      *(f"warning: {w}" for w in report["warnings"]),
+      f"fits: {'yes' if report['fits'] else 'NO'}",
+  ]
+  return "\n".join(lines)
+

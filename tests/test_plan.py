@@ -1,0 +1,90 @@
+"""`rft-jax plan`: a config's learner step and sampler compiled for a topology, deviceless."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from rft_jax import cli
+from rft_jax.models import QwenConfig
+
+CONFIG = """
+model: {{path: {model}, dtype: float32, param_dtype: float32, remat: true}}
+data: {{prompts_per_step: 4, max_prompt_len: 16}}
+sampling: {{n: 4, max_new_tokens: {new_tokens}, max_rollouts_per_call: 8}}
+learner: {{micro_batch_size: 16}}
+"""
+
+
+def _setup(tmp_path, new_tokens: int = 16, head_dim: int = 16) -> tuple[str, str]:
+  """A model directory holding only config.json (no weights, no tokenizer) and a run config
+  (no data path); small programs to compile: one learner pass, one decode segment."""
+  model = tmp_path / "model"
+  model.mkdir()
+  config = QwenConfig("qwen3", 256, 64, 128, 2, 4, 2, head_dim=head_dim)
+  (model / "config.json").write_text(json.dumps(config.to_hf_dict()))
+  path = tmp_path / "run.yaml"
+  path.write_text(CONFIG.format(model=model, new_tokens=new_tokens))
+  return str(path), str(model)
+
+
+def _plan(capsys, *args) -> tuple[int, dict]:
+  code = cli.main(["plan", *args, "--json"])
+  return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("topology,devices", [("cpu:8", 8), ("v5p:2x2x1", 4)])
+def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devices):
+  config, _ = _setup(tmp_path)
+  # The splash kernel's bfloat16 products need the default precision (conftest sets "highest").
+  with jax.default_matmul_precision("default"):
+    code, report = _plan(capsys, config, "--topology", topology, "mesh.model=2")
+  assert code == 0 and report["fits"] is True
+  assert report["topology"] == topology and report["devices"] == devices
+  assert report["mesh"] == {"data": devices // 2, "model": 2}
+  for program in ("learner", "sampler"):
+    part = report[program]
+    for key in ("argument_bytes", "temp_bytes", "output_bytes", "total_bytes"):
+      assert isinstance(part[key], int) and part[key] >= 0, (program, key)
+    assert part["fits"] is True and part["total_bytes"] <= report["hbm_bytes_per_device"]
+  learner, sampler = report["learner"], report["sampler"]
+  print(f"\n[plan {topology}] learner {learner}\nsampler {sampler}")
+  # AdamW's two float32 moments laid out like the float32 parameters: twice their bytes per
+  # device, plus step counters (replicated moments would be 2 x the whole model on every device).
+  assert 0 <= learner["optimizer_state_bytes"] - 2 * learner["parameter_bytes"] <= 16
+  assert learner["rows"] == 16 and learner["sequence_length"] == 32  # 16-token bucket + 16
+  # max_rollouts_per_call=8 holds 2 prompts of 4 samples, but every data shard gets a prompt.
+  data = devices // 2
+  assert sampler["prompts_per_call"] == max(2, data) and sampler["rollouts_per_call"] == 4 * max(2, data)
+  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"]
+  if topology.startswith("v5p"):
+    assert report["device_kind"] == "TPU v5" and report["hbm_bytes_per_device"] > 90 * 2**30
+
+
+def test_layout_warnings_name_what_is_replicated():
+  from rft_jax.train.plan import layout_warnings
+
+  qwen2_5_7b = QwenConfig.qwen2_5_7b()  # 28 query heads, 4 key/value heads
+  assert layout_warnings(qwen2_5_7b, 1) == [] and layout_warnings(qwen2_5_7b, 4) == []
+  warnings = layout_warnings(qwen2_5_7b, 8)
+  assert len(warnings) == 2 and "28 query heads" in warnings[0] and "KV cache" in warnings[1]
+
+
+def test_plan_says_when_it_does_not_fit(tmp_path, capsys):
+  """A sampler call whose KV cache alone exceeds a fake device's share of host memory."""
+  config, _ = _setup(tmp_path, new_tokens=2**22, head_dim=128)
+  code, report = _plan(capsys, config, "--topology", "cpu:8")
+  assert code == 1 and report["fits"] is False and report["sampler"]["fits"] is False
+  assert report["sampler"]["kv_cache_bytes"] > report["hbm_bytes_per_device"]
+
+
+def test_plan_errors_are_one_line(tmp_path, capsys):
+  config, _ = _setup(tmp_path)
+  assert cli.main(["plan", config, "--topology", "v99:1x1"]) == 2
+  assert "v99:1x1" in capsys.readouterr().err
+  assert cli.main(["plan", config, "--topology", "cpu:64"]) == 2
+  assert "xla_force_host_platform_device_count=64" in capsys.readouterr().err
+  assert cli.main(["plan", config, "model.path=", "--topology", "cpu:8"]) == 2
+  assert "model.path is required" in capsys.readouterr().err
