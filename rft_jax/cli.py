@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("config", help="YAML config; only model.path/config.json is read")
   plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.micro_batch_size=4")
   plan.add_argument("--topology", required=True,
-                    help="a TPU topology (v5p:2x2x1, v5e:2x4, v6e:2x4, v4:2x2x1, ...) or cpu:N")
+                    help="a TPU topology (v5p:2x2x1, v5e:2x4, v6e:2x4, v4:2x2x1, ...), GPUs "
+                         "(h100:8, h100:2x8, h200:8; needs jax's CUDA plugin) or cpu:N")
   plan.add_argument("--json", action="store_true", help="print one JSON object")
   plan.set_defaults(func=_plan)
 

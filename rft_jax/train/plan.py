@@ -9,8 +9,10 @@ arguments + outputs - aliased (donated) + temporaries, plus what stays resident 
 (the optimizer state while the sampler runs), is at most the device's memory.
 
 Topologies: TPU slices by name (``v5p:2x2x1``, ``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ...;
-needs ``libtpu``, the ``tpu`` extra) and ``cpu:N`` (fake CPU devices; memory per device is the
-host's RAM / N). MaxText's ``train_compile.py`` checks its configs the same way.
+needs ``libtpu``, the ``tpu`` extra), NVIDIA GPUs (``h100:8``, ``h100:2x8``, ``h200:8``; needs
+jax's CUDA plugin, see :mod:`rft_jax.train.gpu_topology`) and ``cpu:N`` (fake CPU devices;
+memory per device is the host's RAM / N). MaxText's ``train_compile.py`` checks its configs the
+same way.
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ class Topology:
 
 
 def topology(name: str) -> Topology:
-  """The devices of ``name``: ``cpu:N`` or a TPU topology name such as ``v5p:2x2x1``.
+  """The devices of ``name``: ``cpu:N``, a TPU topology such as ``v5p:2x2x1``, or GPUs such
+  as ``h100:8``.
 
   Raises:
-    PlanError: an unknown name, too few CPU devices, or no ``libtpu``.
+    PlanError: an unknown name, too few CPU devices, no ``libtpu`` or no CUDA plugin.
   """
   kind, _, shape = name.partition(":")
   if kind == "cpu":
@@ -77,8 +80,13 @@ def topology(name: str) -> Topology:
                       f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Topology(name, tuple(devices[:n]), ram // n)
+  if kind.startswith(("h100", "h200")):  # NVIDIA GPUs, deviceless: h100:8, h100:2x8
+    from rft_jax.train.gpu_topology import gpu_topology
+
+    return gpu_topology(name)
   if not kind.startswith("v") or not shape:
-    raise PlanError(f"topology {name!r}: expected cpu:N or a TPU name like v5p:2x2x1")
+    raise PlanError(f"topology {name!r}: expected cpu:N, a TPU name like v5p:2x2x1 or GPUs "
+                    f"like h100:8")
   from jax.experimental import topologies
 
   # v4 chips have two cores; as one "megacore" device each, the mesh has one device per chip.
