@@ -63,6 +63,30 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
     assert report["device_kind"] == "TPU v5" and report["hbm_bytes_per_device"] > 90 * 2**30
 
 
+def test_learner_step_memory_grows_linearly_in_length(tmp_path):
+  """The compiled learner step (remat, 2 rows) at T = 1k, 4k, 8k: its temporaries about double
+  from 4k to 8k with the blockwise attention; with the materialised einsum they quadruple."""
+  from rft_jax.train.config import load_config
+  from rft_jax.train.plan import plan, topology
+
+  config, model = _setup(tmp_path)
+
+  def temp(t: int, kind: str) -> int:
+    cfg = load_config(config, [f"model.attention={kind}", "data.prompts_per_step=1",
+                               "sampling.n=2", "sampling.max_rollouts_per_call=null",
+                               f"sampling.max_new_tokens={t - 16}", "learner.micro_batch_size=2"],
+                      required=())
+    return plan(cfg, topology("cpu:1"), sampler=False)["learner"]["temp_bytes"]
+
+  blockwise = [temp(t, "blockwise") for t in (1024, 4096, 8192)]
+  einsum = [temp(t, "reference") for t in (4096, 8192)]
+  print(f"\n[learner temp MiB at T=1k/4k/8k] blockwise {[b >> 20 for b in blockwise]}, "
+        f"einsum at 4k/8k {[b >> 20 for b in einsum]}")
+  assert blockwise[2] / blockwise[1] < 2.5 and blockwise[1] / blockwise[0] < 4 * 1.25
+  assert einsum[1] / einsum[0] > 3.5  # the check tells quadratic from linear
+  assert blockwise[2] < einsum[1] / 4
+
+
 def test_layout_warnings_name_what_is_replicated():
   from rft_jax.train.plan import layout_warnings
 

@@ -130,10 +130,12 @@ def model_config(cfg: TrainConfig) -> QwenConfig:
                      attention=cfg.model.attention)
 
 
-def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None) -> dict[str, Any]:
+def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
+         sampler: bool = True) -> dict[str, Any]:
   """Compiles the run's learner step and sampler for ``topo``; returns the JSON-able report
   (see the module docstring; per-device bytes, ``fits`` per program and overall).
-  ``progress`` is called with a line before and after each compilation (minutes at 7B)."""
+  ``progress`` is called with a line before and after each compilation (minutes at 7B).
+  ``sampler=False`` compiles the learner step only (the report's ``sampler`` is None)."""
   config = model_config(cfg)
   model_axis = cfg.mesh.model
   data = cfg.mesh.data if cfg.mesh.data > 0 else len(topo.devices) // model_axis
@@ -164,12 +166,15 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None) -> dic
       optimizer_state_bytes=_bytes_per_device(train_state.opt_state),
       rows=rows, sequence_length=width, micro_batch_size=cfg.learner.micro_batch_size)
   progress(f"learner: {learner_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
-           f"{learner_report['compile_seconds']:.0f} s; compiling the sampler ...")
+           f"{learner_report['compile_seconds']:.0f} s")
 
-  sampler_report = _plan_sampler(cfg, config, mesh, graphdef, state, topo,
-                                 resident=learner_report["optimizer_state_bytes"])
-  progress(f"sampler: {sampler_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
-           f"{sampler_report['compile_seconds']:.0f} s")
+  sampler_report = None
+  if sampler:
+    progress("compiling the sampler ...")
+    sampler_report = _plan_sampler(cfg, config, mesh, graphdef, state, topo,
+                                   resident=learner_report["optimizer_state_bytes"])
+    progress(f"sampler: {sampler_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
+             f"{sampler_report['compile_seconds']:.0f} s")
   return {
       "topology": topo.name, "devices": len(topo.devices),
       "device_kind": topo.devices[0].device_kind,
@@ -179,7 +184,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None) -> dic
                 "param_dtype": cfg.model.param_dtype, "remat": cfg.model.remat,
                 "attention": cfg.model.attention},
       "learner": learner_report, "sampler": sampler_report,
-      "fits": learner_report["fits"] and sampler_report["fits"],
+      "fits": learner_report["fits"] and (sampler_report is None or sampler_report["fits"]),
       "warnings": layout_warnings(config, model_axis),
   }
 
