@@ -13,10 +13,11 @@ from rft_jax.parallel.sharding import (
     shard_model,
     state_shardings,
     tree_shardings,
+    with_shardings,
 )
 
 __all__ = [
     "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "Rules", "TP_RULES", "global_array", "host_array",
     "is_main_process", "logical_to_spec", "make_mesh", "named_sharding", "shard_model",
-    "state_shardings", "tree_shardings",
+    "state_shardings", "tree_shardings", "with_shardings",
 ]

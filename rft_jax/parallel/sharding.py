@@ -107,6 +107,13 @@ def tree_shardings(tree: Any, axes_tree: Any, mesh: Mesh, rules: Rules = DEFAULT
                       tree, is_leaf=is_axis_names)
 
 
+def with_shardings(tree: Any, shardings: Any) -> Any:
+  """``tree``'s arrays (or abstract values) as ``jax.ShapeDtypeStruct`` carrying the matching
+  leaf of ``shardings``: a layout to compile for, nothing allocated."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
   """Moves every parameter of ``model`` to its ``NamedSharding`` on ``mesh`` (in place).
 

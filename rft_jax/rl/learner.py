@@ -43,7 +43,7 @@ from rft_jax.entropy import (
     masked_mean,
     token_stats,
 )
-from rft_jax.parallel import global_array, host_array
+from rft_jax.parallel import global_array, host_array, with_shardings
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
 
@@ -181,8 +181,7 @@ class Learner:
     allocated, e.g. to compile the step for devices this process does not have."""
     shapes = jax.eval_shape(lambda p: TrainState(params=p, opt_state=self.optimizer.init(p),
                                                  step=jnp.zeros((), jnp.int32)), params)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, self.state_shardings(params))
+    return with_shardings(shapes, self.state_shardings(params))
 
   def model(self, state: TrainState) -> nnx.Module:
     """The model with ``state``'s parameters (no copy): what the sampler runs."""

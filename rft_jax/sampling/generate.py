@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rft_jax.models.kv_cache import KVCache, init_cache
 from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, named_sharding,
-                              tree_shardings)
+                              tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
 from rft_jax.sampling.loop import LoopSpec, sample_loop
@@ -141,9 +141,7 @@ def abstract_cache(config, batch: int, max_len: int, dtype=None, mesh: Mesh | No
   abstract = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
   if mesh is None:
     return abstract
-  shardings = tree_shardings(abstract, abstract.logical_axes(), mesh, rules)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      abstract, shardings)
+  return with_shardings(abstract, tree_shardings(abstract, abstract.logical_axes(), mesh, rules))
 
 
 def empty_cache(config, batch: int, max_len: int, dtype=None, mesh: Mesh | None = None,

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model, read_config
-from rft_jax.parallel import make_mesh, state_shardings
+from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling import SamplingParams
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
@@ -103,11 +103,6 @@ def topology(name: str) -> Topology:
   return Topology(name, devices, TPU_HBM_BYTES[kind_name])
 
 
-def _with_shardings(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      tree, shardings)
-
-
 def _bytes_per_device(tree) -> int:
   """Bytes of one device's shards of an abstract tree with shardings (the largest shard)."""
   return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
@@ -141,7 +136,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   data = cfg.mesh.data if cfg.mesh.data > 0 else len(topo.devices) // model_axis
   mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
   graphdef, abstract = nnx.split(abstract_model(config))
-  state = _with_shardings(abstract, state_shardings(abstract, mesh))
+  state = with_shardings(abstract, state_shardings(abstract, mesh))
   model = nnx.merge(graphdef, state)
 
   learner = Learner(model, cfg.learner, mesh=mesh)
