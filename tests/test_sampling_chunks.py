@@ -20,7 +20,7 @@ from rft_jax.parallel import make_mesh
 from rft_jax.sampling import SamplingParams, batch_bucket, generate
 from rft_jax.sampling.loop import sample_loop
 from rft_jax.train.config import ConfigError, load_config
-from rft_jax.train.loop import _sampling_params
+from rft_jax.train.resolve import sampling_params
 
 # Lengths 7, 2, 5, 20, 1, 3, 2: the whole list's width bucket is 24, the first and last slices'
 # own would be 16. The last prompt repeats the second one, in another slice.
@@ -106,7 +106,7 @@ def test_max_rollouts_per_call_below_n_or_not_an_int_is_refused(value):
 def test_config_passes_max_rollouts_per_call_to_the_sampler():
   required = ["model.path=/m", "data.train_path=/d.jsonl"]
   cfg = load_config(None, required + ["sampling.max_rollouts_per_call=256"])
-  assert _sampling_params(cfg, (2,)).max_rollouts_per_call == 256
-  assert _sampling_params(load_config(None, required), (2,)).max_rollouts_per_call is None
+  assert sampling_params(cfg, (2,)).max_rollouts_per_call == 256
+  assert sampling_params(load_config(None, required), (2,)).max_rollouts_per_call is None
   with pytest.raises(ConfigError, match="sampling.max_rollouts_per_call=8 is below sampling.n=16"):
     load_config(None, required + ["sampling.max_rollouts_per_call=8"])

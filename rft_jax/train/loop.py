@@ -28,14 +28,12 @@ from rft_jax.parallel import is_main_process, make_mesh
 from rft_jax.rewards import score_batch
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.learner import Learner, LearnerBatch
-from rft_jax.sampling import SamplingParams, generate
+from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer
 from rft_jax.train.config import DataConfig, TrainConfig, to_yaml
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metrics_log import MetricsLog, NullLog
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
+from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 
 def stop_token_ids(tokenizer: Any, model_eos: Any = None) -> tuple[int, ...]:
   """End-of-sequence ids: the tokenizer's eos, the model config's, and Qwen's chat markers."""
@@ -65,9 +63,8 @@ class Run:
 
 def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   """Builds the run and returns it with a fresh train state."""
-  devices = jax.devices()
-  data_size = cfg.mesh.data if cfg.mesh.data > 0 else len(devices) // cfg.mesh.model
-  mesh = make_mesh(data=data_size, model=cfg.mesh.model)
+  data_size, model_size = mesh_axes(cfg, len(jax.devices()))
+  mesh = make_mesh(data=data_size, model=model_size)
   model = load_hf(cfg.model.path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
                   mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
   tokenizer = load_tokenizer(cfg.model.path)
@@ -96,19 +93,12 @@ def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
   return chat_token_ids(tokenizer, text, data.system_prompt)
 
 
-def _sampling_params(cfg: TrainConfig, stop_ids) -> SamplingParams:
-  s = cfg.sampling
-  return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                        max_new_tokens=s.max_new_tokens, stop_token_ids=stop_ids,
-                        max_rollouts_per_call=s.max_rollouts_per_call)
-
-
 def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any]:
   """Rollouts of ``prompts`` with their rewards and the per-completion fields."""
   cfg = run.config
   t0 = time.perf_counter()
   rollouts = generate(run.learner.model(state), [list(p.token_ids) for p in prompts],
-                      _sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh)
+                      sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh)
   t1 = time.perf_counter()
   texts = run.tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
   answers = [prompts[i].example.answer for i in rollouts.prompt_index]

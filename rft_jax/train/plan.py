@@ -32,11 +32,11 @@ from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model, read_config
 from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
-from rft_jax.sampling import SamplingParams
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
 from rft_jax.sampling.loop import LoopSpec, cache_slots, sample_loop
 from rft_jax.train.config import TrainConfig
+from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 
 GiB = 1024**3
 # Memory per chip as the TPU compiler states it in its out-of-memory messages ("... of N G hbm"),
@@ -47,7 +47,6 @@ TPU_HBM_BYTES = {
     "TPU v6 lite": int(31.25 * GiB),  # v6e (Trillium)
     "TPU v4": int(30.75 * GiB),       # v4, megacore
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class PlanError(ValueError):
@@ -132,8 +131,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   ``progress`` is called with a line before and after each compilation (minutes at 7B).
   ``sampler=False`` compiles the learner step only (the report's ``sampler`` is None)."""
   config = model_config(cfg)
-  model_axis = cfg.mesh.model
-  data = cfg.mesh.data if cfg.mesh.data > 0 else len(topo.devices) // model_axis
+  data, model_axis = mesh_axes(cfg, len(topo.devices))
   mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
   graphdef, abstract = nnx.split(abstract_model(config))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
@@ -198,9 +196,7 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
                   resident: int) -> dict[str, Any]:
   """Compiles one ``sample_loop`` call: the prompts of one call at the longest prompt bucket."""
   s = cfg.sampling
-  params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          max_new_tokens=s.max_new_tokens, stop_token_ids=(0,),
-                          max_rollouts_per_call=s.max_rollouts_per_call)
+  params = sampling_params(cfg, stop_ids=(0,))
   # One call's prompts, as generate() slices a step's prompts (dummy rows included).
   data = mesh.shape[DATA_AXIS]
   max_prompts = None if s.max_rollouts_per_call is None else s.max_rollouts_per_call // s.n

@@ -1,0 +1,28 @@
+"""What a run's config resolves to on a set of devices: dtypes, the mesh's axis sizes and the
+sampler's parameters. The training loop and ``rft-jax plan`` both take them from here, so a
+planned run is the run that trains."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from rft_jax.sampling import SamplingParams
+from rft_jax.train.config import TrainConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def mesh_axes(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
+  """``(data, model)`` device counts: ``mesh.data = -1`` takes every device not on ``model``."""
+  model = cfg.mesh.model
+  return (cfg.mesh.data if cfg.mesh.data > 0 else num_devices // model), model
+
+
+def sampling_params(cfg: TrainConfig, stop_ids: Sequence[int]) -> SamplingParams:
+  """The rollouts' sampler parameters (``sampling.*``) with the run's stop tokens."""
+  s = cfg.sampling
+  return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                        max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop_ids),
+                        max_rollouts_per_call=s.max_rollouts_per_call)
