@@ -44,7 +44,8 @@ def _train(args: argparse.Namespace) -> int:
 
   initialize_from_env()
   cfg = load_config(args.config, args.overrides)
-  metrics = train(cfg, resume=not args.no_resume)
+  metrics = train(cfg, resume=not (args.no_resume or args.overwrite), overwrite=args.overwrite,
+                  allow_config_change=args.allow_config_change)
   print(f"finished {cfg.steps} steps in {cfg.run_dir}: reward {metrics.get('reward_mean', float('nan')):.3f}, "
         f"entropy {metrics.get('entropy', float('nan')):.3f}")
   return 0
@@ -63,7 +64,7 @@ def _restore_model(run_dir: str, step: int | None):
   model = load_hf(cfg.model.path)
   learner = Learner(model, cfg.learner)
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  state, _, restored = checkpointer.restore(learner.init(model), step)
+  state, _, restored = checkpointer.restore(learner.init(model), step, move_corrupt=False)
   checkpointer.close()
   return learner.model(state), cfg, restored
 
@@ -71,7 +72,14 @@ def _restore_model(run_dir: str, step: int | None):
 def _export(args: argparse.Namespace) -> int:
   from rft_jax.models import load_tokenizer, save_hf
 
+  from flax import nnx
+
+  from rft_jax.train.checkpoint import all_finite
+  from rft_jax.train.errors import NonFiniteError
+
   model, cfg, step = _restore_model(args.run_dir, args.step)
+  if not all_finite(nnx.state(model, nnx.Param)):
+    raise NonFiniteError(f"step {step} of {args.run_dir} holds NaN or infinite parameters; not exporting")
   save_hf(model, args.out, tokenizer=load_tokenizer(cfg.model.path))
   print(f"exported step {step} of {args.run_dir} to {args.out}")
   return 0
@@ -198,7 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 
   train = sub.add_parser("train", help="run (or resume) a training run")
   train.add_argument("--config", help="YAML config (see configs/)")
-  train.add_argument("--no-resume", action="store_true", help="start over even if RUN_DIR has checkpoints")
+  train.add_argument("--no-resume", action="store_true",
+                     help="start a new run (refused if RUN_DIR holds an earlier run's checkpoints or metrics)")
+  train.add_argument("--overwrite", action="store_true",
+                     help="start a new run, deleting RUN_DIR's checkpoints, metrics and TensorBoard events")
+  train.add_argument("--allow-config-change", action="store_true",
+                     help="resume although the config differs from RUN_DIR/config.yaml in what the run computes")
   train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6")
   train.set_defaults(func=_train)
 
@@ -285,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     from rft_jax.data import DatasetError
     from rft_jax.models import CheckpointError
     from rft_jax.train.config import ConfigError
+    from rft_jax.train.errors import Preempted, RunError
 
+    if isinstance(exc, RunError):  # a fault of the run: the run already saved what it could
+      print(f"rft-jax {args.command}: {'' if isinstance(exc, Preempted) else 'error: '}{exc}",
+            file=sys.stderr)
+      return exc.exit_code
     if isinstance(exc, (ConfigError, DatasetError, CheckpointError, FileNotFoundError)):
       print(f"rft-jax {args.command}: error: {exc}", file=sys.stderr)
       return 2

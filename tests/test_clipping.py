@@ -22,7 +22,7 @@ def reference_mask(score, adv, valid, mu_low, mu_high, samples, centre, max_frac
   out_high = dev > mu_high * sigma if mu_high is not None else np.zeros_like(valid)
   masked = valid & eligible & (out_low | out_high) & (sigma > 0)
   if max_frac is not None:
-    budget = int(np.floor(max_frac * valid.sum()))
+    budget = max(int(np.floor(max_frac * valid.sum())), 1)  # the authors' budget
     excess = np.full(score.shape, -np.inf)
     if mu_low is not None:
       excess = np.maximum(excess, -dev / sigma - mu_low)
@@ -68,7 +68,7 @@ def test_clip_v_matches_numpy(samples, mu_high, max_frac):
   n_masked = int((~np.asarray(got) & valid).sum())
   assert n_masked > 0
   if max_frac is not None:
-    assert n_masked <= int(np.floor(max_frac * valid.sum()))
+    assert n_masked <= max(int(np.floor(max_frac * valid.sum())), 1)
 
 
 def test_max_frac_keeps_the_most_extreme_tokens_masked():
@@ -77,6 +77,23 @@ def test_max_frac_keeps_the_most_extreme_tokens_masked():
   valid = jnp.ones_like(score, bool)
   keep = E.clip_v_mask(score, adv, valid, mu_low=1.0, max_frac=0.01)  # budget: 2 tokens
   assert np.flatnonzero(~np.asarray(keep)).tolist() == [0, 1]
+
+
+def test_clip_v_cap_masks_the_most_extreme_token_of_a_small_batch():
+  """At the released max_frac = 1e-4 a batch of 5,000 valid tokens has floor(0.5) = 0 tokens of
+  budget; the authors' code (Trinity-RFT 0.6.0, clipv_advantage.py) allows max(int(0.5), 1) = 1,
+  so the one extreme negative-sample token is masked, and only it."""
+  rng = np.random.default_rng(0)
+  score = rng.normal(0.0, 1e-3, (50, 100)).astype(np.float32)
+  adv = np.repeat(rng.choice([-1.0, 1.0], (50, 1)), 100, axis=1).astype(np.float32)
+  row = int(np.flatnonzero(adv[:, 0] < 0)[0])
+  score[row, 7] = -1.0  # ~70 sigma_c below 0
+  score[row, 8] = -0.15  # ~10 sigma_c: beyond the cut too, but less extreme
+  args = (jnp.asarray(score), jnp.asarray(adv), jnp.ones(score.shape, bool))
+  uncapped = np.asarray(E.clip_v_mask(*args, max_frac=None))
+  assert np.argwhere(~uncapped).tolist() == [[row, 7], [row, 8]]
+  keep = np.asarray(E.clip_v_mask(*args))
+  assert np.argwhere(~keep).tolist() == [[row, 7]]
 
 
 def test_zero_sigma_masks_nothing_and_defaults_follow_released_configs():

@@ -63,7 +63,7 @@ def test_validation_split_is_deterministic_and_disjoint(tmp_path):
   assert val == val2 and train == train2 and len(val) == 10 and len(train) == 40
   assert not {e.id for e in train} & {e.id for e in val}
   assert split_validation(examples, 10, seed=4)[1] != val
-  with pytest.raises(DatasetError, match="validation size 50"):
+  with pytest.raises(DatasetError, match=r"data\.val_size=50 \(validation size\) must be in \[0, 50\)"):
     split_validation(examples, 50, seed=0)
 
 

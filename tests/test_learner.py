@@ -66,6 +66,7 @@ def test_on_policy_first_step_ratio_is_exactly_one():
   assert metrics["clip_frac_low"] == 0.0 and metrics["clip_frac_high"] == 0.0
   assert metrics["logp_mismatch"] < 1e-4  # the sampler's log-probs are the learner's
   assert metrics["mask_frac"] == 0.0
+  assert metrics["nonfinite_skipped"] == 0.0
 
 
 def test_later_mini_batches_use_pre_update_log_probs():
@@ -195,6 +196,92 @@ def test_bad_batch_and_config_are_named():
     config(loss_agg="token_mean")
   with pytest.raises(ValueError, match="entropy_mask.kind='clipb'"):
     EntropyMaskConfig(kind="clipb")
+  with pytest.raises(ValueError, match="entropy_mask.logp_source='rollout'"):
+    EntropyMaskConfig(logp_source="rollout")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("lr", 1e39, r"learner.lr must be a finite number in \(0, 1\], got 1e\+39"),
+    ("lr", float("nan"), r"learner.lr must be a finite number in \(0, 1\], got nan"),
+    ("lr", 0.0, r"learner.lr must be a finite number in \(0, 1\], got 0.0"),
+    ("lr", 2.0, r"learner.lr must be a finite number in \(0, 1\], got 2.0"),
+    ("kl_coef", float("inf"), r"learner.kl_coef must be a finite number, got inf"),
+    ("adam_eps", float("nan"), r"learner.adam_eps must be a finite number, got nan"),
+    ("ref_dtype", "float16", r"learner.ref_dtype='float16' is not one of"),
+])
+def test_config_rejects_non_finite_and_absurd_values(key, value, message):
+  with pytest.raises(ValueError, match=message):
+    config(**{key: value})
+
+
+def test_entropy_mask_config_rejects_non_finite_values():
+  with pytest.raises(ValueError, match=r"entropy_mask.mu_high must be a finite number, got inf"):
+    EntropyMaskConfig(mu_high=float("inf"))
+  with pytest.raises(ValueError, match=r"entropy_mask.max_frac must be in \[0, 1\], got 2.0"):
+    EntropyMaskConfig(max_frac=2.0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """``tiny_model()`` (built once: construction is the slow part) and completions it sampled."""
+  model = tiny_model()
+  graphdef, state = nnx.split(model)
+  return graphdef, jax.tree.map(np.asarray, state), synthetic_batch(model)[0]
+
+
+def fresh_model(tiny):
+  """A new model with the fixture's weights (a learner takes over, and donates, its arrays)."""
+  return nnx.merge(tiny[0], jax.tree.map(jnp.asarray, tiny[1]))
+
+
+def assert_trees_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # NaN where NaN was
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # lr = 1e39 as a float32 constant
+@pytest.mark.parametrize("fault,micro", [("lr", 4), ("nan_weight", 16)])  # 16: the single-pass step
+def test_non_finite_step_is_skipped(tiny, fault, micro):
+  """lr = 1e39 (bypassing the config's check) sends every parameter to inf in one update; a NaN
+  in a weight makes the loss NaN. Either way the step returns its input state, parameters,
+  optimizer state and step counter, and says so; the next step sees the same state."""
+  model, batch = fresh_model(tiny), tiny[2]
+  cfg = config(micro_batch_size=micro, forecast_every=0)
+  if fault == "lr":
+    object.__setattr__(cfg, "lr", 1e39)
+  else:
+    weight = model.layers.mlp.up_proj  # [layers, hidden, intermediate]
+    weight[...] = weight[...].at[0, 3, 5].set(jnp.nan)
+  learner = Learner(model, cfg)
+  state = learner.init(model)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  for _ in range(2):
+    state, metrics = learner.step(state, batch)
+    assert metrics["nonfinite_skipped"] == 1.0
+    assert int(state.step) == 0
+    assert_trees_equal(before, (state.params, state.opt_state))
+
+
+def test_clip_b_from_sampler_log_probs_in_the_step(tiny):
+  """entropy_mask.logp_source=sampler in the (single-pass) step: the tokens masked are those of
+  the authors' Clip_B (transcribed in test_fidelity_trinity) on the sampler's log-probs and the
+  learner's entropy; the sampler's log-probs here differ from the learner's by noise."""
+  import torch
+  from test_fidelity_trinity import trinity_clip_b_keep
+
+  model, batch = fresh_model(tiny), tiny[2]
+  noise = 0.5 * jax.random.normal(jax.random.key(1), batch.sampler_logp.shape)
+  batch = batch.replace(sampler_logp=jnp.minimum(batch.sampler_logp + noise * batch.response_mask, 0.0))
+  learner = Learner(model, config(micro_batch_size=16, forecast_every=0, entropy_mask=EntropyMaskConfig(
+      kind="clip_b", mu_low=0.3, logp_source="sampler")))
+  state = learner.init(model)
+  stats = jax.jit(learner.batch_stats)(state.params, batch)
+  _, metrics = learner.step(state, batch)
+  mask = np.asarray(batch.response_mask[:, 1:] * batch.attention_mask[:, 1:], np.float32)
+  adv = np.asarray(batch.advantages)[:, None] * mask
+  t = lambda x: torch.from_numpy(np.array(x, np.float32))
+  kept = trinity_clip_b_keep(t(batch.sampler_logp[:, 1:]), t(stats.entropy), t(mask), t(adv), mu=0.3).numpy()
+  assert 0 < metrics["mask_frac"] == pytest.approx(1.0 - kept.sum() / mask.sum(), abs=1e-7)
 
 
 def test_entropy_bonus_raises_entropy():
@@ -231,6 +318,8 @@ def test_kl_to_reference_and_warmup_cosine_schedule():
     assert metrics["lr"] == pytest.approx(float(schedule(step)), abs=1e-12)
     if step == 0:
       assert metrics["kl"] == pytest.approx(want_kl, rel=1e-4) and want_kl > 0.01
-  with pytest.raises(ValueError, match="needs batch.ref_logp"):
-    learner2 = Learner(tiny_model(seed=3), config(kl_coef=0.5))
-    learner2.step(learner2.init(tiny_model(seed=3)), batch.replace(ref_logp=None))
+  learner2 = Learner(tiny_model(seed=3), config(kl_coef=0.5))
+  state2 = learner2.init(tiny_model(seed=3))  # copies the reference parameters
+  learner2.reference = None  # neither reference parameters nor batch.ref_logp
+  with pytest.raises(ValueError, match="kl_coef > 0 needs reference log-probs"):
+    learner2.step(state2, batch.replace(ref_logp=None))

@@ -58,9 +58,27 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
   # max_rollouts_per_call=8 holds 2 prompts of 4 samples, but every data shard gets a prompt.
   data = devices // 2
   assert sampler["prompts_per_call"] == max(2, data) and sampler["rollouts_per_call"] == 4 * max(2, data)
-  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"]
+  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] and learner["reference_bytes"] == 0
   if topology.startswith("v5p"):
     assert report["device_kind"] == "TPU v5" and report["hbm_bytes_per_device"] > 90 * 2**30
+
+
+def test_plan_counts_the_kl_reference(tmp_path):
+  """With kl_coef > 0 the step takes one more copy of the parameters (half in bfloat16), and the
+  sampler runs beside it."""
+  from rft_jax.train.config import load_config
+  from rft_jax.train.plan import plan, topology
+
+  config, _ = _setup(tmp_path)
+  topo = topology("cpu:8")
+  reports = {dtype: plan(load_config(config, ["learner.kl_coef=0.1", f"learner.ref_dtype={dtype}"],
+                                     required=()), topo)
+             for dtype in ("float32", "bfloat16")}
+  params = reports["float32"]["learner"]["parameter_bytes"]
+  assert reports["float32"]["learner"]["reference_bytes"] == params
+  assert reports["bfloat16"]["learner"]["reference_bytes"] == params // 2
+  sampler = reports["float32"]["sampler"]
+  assert sampler["resident_bytes"] == reports["float32"]["learner"]["optimizer_state_bytes"] + params
 
 
 def test_learner_step_memory_grows_linearly_in_length(tmp_path):

@@ -341,6 +341,35 @@ def test_score_batch_paper_scheme_with_overlong_shaping(pool):
   assert m["reward/accuracy"] == pytest.approx(2 / 7) and m["reward/timeouts"] == 1.0
 
 
+def test_step_budget_bounds_a_batch_of_hanging_answers(pool):
+  """12 hanging answers at 30 s each on 2 workers would take 180 s; the batch's budget ends it
+  in about 1.5 s, every answer scored as timed out, and says how many the budget cut."""
+  budget, n = 1.5, 12
+  cfg = R.RewardConfig(timeout_s=30.0, step_time_limit_s=budget)
+  t0 = time.monotonic()
+  res = R.score_batch([rf"\boxed{{{HANGS}}}"] * n, ["1"] * n, ["stop"] * n, [5] * n, cfg, pool=pool)
+  elapsed = time.monotonic() - t0
+  assert elapsed < budget + 1.5, elapsed
+  assert (res.timeouts, res.over_budget, res.errors) == (n, n, 0) and res.timed_out.all()
+  np.testing.assert_array_equal(res.reward, np.zeros(n, np.float32))  # timed out = wrong
+  assert res.metrics()["reward/over_budget"] == n
+  # A batch within its budget is untouched.
+  res = R.score_batch([r"\boxed{\frac12}", r"\boxed{3}"], ["0.5", "4"], ["stop"] * 2, [5] * 2,
+                      R.RewardConfig(step_time_limit_s=30.0), pool=pool)
+  assert res.correct.tolist() == [True, False] and (res.timeouts, res.over_budget) == (0, 0)
+
+
+def test_pool_budget_stops_running_calls_and_skips_the_rest(pool):
+  pool.map(operator.add, [(0, 0)] * 2, 60)  # the workers of earlier tests' timeouts are up
+  t0 = time.monotonic()
+  out = pool.map(time.sleep, [(30,)] * 3 + [(0,)], 30, budget_s=0.5)
+  assert time.monotonic() - t0 < 2.0
+  assert out == [R.Outcome("timeout", R.OVER_BUDGET)] * 4
+  assert pool.map(time.sleep, [(30,), (0,)], 0.5, budget_s=10) == [R.Outcome("timeout"), R.Outcome("ok")]
+  with pytest.raises(ValueError, match="budget_s must be > 0"):
+    pool.map(abs, [(1,)], 10, budget_s=0)
+
+
 def test_score_batch_binary_never_rewards_unboxed_text(pool):
   rows = [b for b in BATCH if HANGS not in b[0]] + [("The answer is 4", "4", "stop", 5)]
   completions, answers, reasons, lengths = zip(*rows)
@@ -369,6 +398,7 @@ def test_score_batch_checks_lengths(pool):
     (dict(overlong_cache_len=0), r"rewards\.overlong_cache_len must be an int >= 1, got 0"),
     (dict(overlong_max_len=4096), r"rewards\.overlong_max_len must be an int > overlong_cache_len=4096, got 4096"),
     (dict(memory_limit_mb=10), r"rewards\.memory_limit_mb .* got 10"),
+    (dict(step_time_limit_s=0), r"rewards\.step_time_limit_s must be None or a number > 0, got 0"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):

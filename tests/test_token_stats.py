@@ -136,3 +136,37 @@ def test_entropy_grad_option_matches_the_gradient_of_entropy():
   want = jax.grad(lambda h: jnp.mean(E.entropy((h @ w) / 0.7)))(hidden)
   np.testing.assert_allclose(jax.jit(jax.grad(lambda h: mean_entropy(h, entropy_grad=True)))(hidden), want, rtol=1e-4, atol=1e-6)
   assert float(jnp.max(jnp.abs(jax.grad(mean_entropy)(hidden)))) == 0.0
+
+
+def float64_reference(logits, tokens, temperature):
+  """numpy float64: H, log p_k and S_* of softmax(z / T) for float32 logits z. The normaliser is
+  log1p of the non-top mass tau (~1e-20 here, below float64's epsilon too)."""
+  z = np.asarray(logits, np.float64) / temperature
+  shifted = z - z.max(-1, keepdims=True)
+  is_top = np.arange(z.shape[-1]) == z.argmax(-1)[:, None]
+  log_p = shifted - np.log1p(np.where(is_top, 0.0, np.exp(shifted)).sum(-1, keepdims=True))
+  h = -(np.exp(log_p) * log_p).sum(-1)
+  log_p_k = np.take_along_axis(log_p, np.asarray(tokens)[:, None], -1)[:, 0]
+  return h, log_p_k, np.exp(log_p_k) * (h + log_p_k)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_confident_positions_stay_exact_under_jit(temperature, chunk_size):
+  """Near one-hot logits (top logit 15-40 above the rest) at T != 1. Under jit XLA fuses z / T
+  into the subtraction of the top logit; computed as a difference, the top entry came out one
+  ulp from 0 (log p = +1.9e-6, H = -1.9e-6 at T = 0.7, unchunked; S_* off by up to 2e8 times).
+  The top entry is 0 by construction: H >= 0, log p <= 0, S_* within float32 rounding."""
+  rng = np.random.default_rng(0)
+  n, v = 512, 1000
+  logits = rng.normal(size=(n, v)).astype(np.float32)
+  top = rng.integers(0, v, n)
+  logits[np.arange(n), top] += rng.uniform(15, 40, n).astype(np.float32)
+  tokens = np.where(rng.random(n) < 0.8, top, rng.integers(0, v, n)).astype(np.int32)
+  got = chunked_stats(jnp.asarray(logits), jnp.asarray(tokens), None, temperature, chunk_size)
+  h, log_p_k, s_star = float64_reference(logits, tokens, temperature)
+  assert float(jnp.min(got.entropy)) >= 0.0 and float(jnp.max(got.logp)) <= 0.0
+  confident = tokens == top
+  np.testing.assert_allclose(got.s_star[confident], s_star[confident], rtol=2e-5, atol=0)
+  np.testing.assert_allclose(got.entropy, h, rtol=2e-5, atol=0)
+  np.testing.assert_allclose(got.logp, log_p_k, rtol=2e-5, atol=1e-6)

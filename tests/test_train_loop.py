@@ -1,38 +1,20 @@
 """End-to-end runs of the training loop on a tiny random Qwen and a synthetic dataset."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-from hf_fixtures import make_tiny_qwen, make_tiny_tokenizer
+from loop_fixtures import QUESTIONS, make_loop_files, overrides
 from rft_jax import cli
 from rft_jax.train.config import load_config
 from rft_jax.train.loop import train
 from rft_jax.train.metrics_log import read_metrics
 
-QUESTIONS = ["what is 1+1 ?", "be brief", "what is ?", "1+1 ?", "what 1+1", "is 1+1 ?", "be what ?", "brief 1+1"]
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  root = tmp_path_factory.mktemp("loop")
-  model_dir = make_tiny_qwen(root, "qwen3", vocab=128)
-  for f in make_tiny_tokenizer(root).iterdir():
-    shutil.copy(f, model_dir / f.name)
-  data = root / "train.jsonl"
-  data.write_text("".join(json.dumps({"question": q, "answer": str(i % 3)}) + "\n" for i, q in enumerate(QUESTIONS)))
-  return root, model_dir, data
-
-
-def overrides(setup, run_dir, steps, *extra):
-  root, model_dir, data = setup
-  return [f"run_dir={run_dir}", f"steps={steps}", f"model.path={model_dir}", f"data.train_path={data}",
-          "data.val_size=2", "data.prompts_per_step=2", "data.max_prompt_len=64", "sampling.n=4",
-          "sampling.max_new_tokens=6", "learner.micro_batch_size=4", "learner.lr=1e-3",
-          "learner.forecast_every=2", "rewards.num_workers=1", "mesh.data=4", "mesh.model=2",
-          "eval.every=3", "eval.val_k=2", "progress=false", *extra]
+  return make_loop_files(tmp_path_factory.mktemp("loop"))
 
 
 VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "time_eval", "sample_tokens_per_s")
@@ -223,3 +205,16 @@ def test_steps_after_the_first_compile_nothing_new(setup, tmp_path):
 
   two, six = count(2), count(6)
   assert two > 0 and six == two, (two, six)
+
+
+def test_a_run_with_a_kl_penalty_logs_kl_from_zero(setup, tmp_path):
+  """kl_coef > 0: the learner's reference is the starting policy (or model.ref_path): KL is 0
+  on the first, on-policy step and grows as the policy moves."""
+  cfg = load_config(None, overrides(setup, tmp_path / "kl", 3, "eval.every=0", "learner.kl_coef=0.1",
+                                    "learner.lr=3e-2", "learner.ref_dtype=bfloat16"))
+  train(cfg)
+  kl = [r["kl"] for r in read_metrics(str(tmp_path / "kl"))]
+  assert abs(kl[0]) < 1e-3 and kl[-1] > 1e-3, kl
+  cfg = load_config(None, overrides(setup, tmp_path / "ref", 1, "eval.every=0", "learner.kl_coef=0.1",
+                                    f"model.ref_path={setup[1]}"))
+  assert np.isfinite(train(cfg)["kl"])

@@ -10,6 +10,7 @@ listed in the returned :class:`LoadReport`) or fatal, per ``on_bad_row``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -60,15 +61,83 @@ def _read(path: str) -> hf_datasets.Dataset:
       if "train" not in data:
         raise DatasetError(f"{path}: DatasetDict without a 'train' split (has {sorted(data)})")
       data = data["train"]
-    return data
+    return _non_empty(path, data)
   suffix = path.rsplit(".", 1)[-1].lower()
   builder = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(suffix)
   if builder is None:
     raise DatasetError(f"{path}: unsupported file type '.{suffix}' (use .jsonl, .json, .parquet or a directory)")
+  if builder == "json":
+    _check_text(path, rows=suffix == "jsonl")
+  else:
+    _check_parquet(path)
   try:
-    return hf_datasets.load_dataset(builder, data_files=path, split="train")
+    return _non_empty(path, hf_datasets.load_dataset(builder, data_files=path, split="train"))
+  except DatasetError:
+    raise
   except Exception as exc:  # datasets raises several types for malformed files
-    raise DatasetError(f"{path}: could not be read as {builder}: {exc}") from exc
+    where = _bad_json_line(path) if suffix == "jsonl" else None
+    raise DatasetError(where or f"{path}: could not be read as {builder}: {_root_cause(exc)}") from exc
+
+
+def _non_empty(path: str, data: hf_datasets.Dataset) -> hf_datasets.Dataset:
+  if len(data) == 0:
+    raise DatasetError(f"{path}: no rows (the data set is empty)")
+  return data
+
+
+def _line_name(number: int, row: int | None) -> str:
+  return f"line {number}" + ("" if row is None else f" (row {row})")
+
+
+def _check_text(path: str, rows: bool) -> None:
+  """A JSON file must be UTF-8 text with something in it; the first bad byte is reported with
+  its line (and, for JSON lines, its row: the 0-based index among the non-blank lines)."""
+  row = 0
+  with open(path, "rb") as f:
+    for number, line in enumerate(f, 1):
+      try:
+        line.decode("utf-8")
+      except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: {_line_name(number, row if rows else None)}: not UTF-8 text "
+                           f"(byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from exc
+      row += bool(line.strip())
+  if not row:
+    raise DatasetError(f"{path}: the file is empty (no rows)")
+
+
+def _check_parquet(path: str) -> None:
+  import pyarrow.parquet as pq
+
+  try:
+    rows = pq.read_metadata(path).num_rows
+  except Exception as exc:  # pyarrow's ArrowInvalid / OSError for a file that is not parquet
+    raise DatasetError(f"{path}: not a parquet file ({_root_cause(exc)})") from exc
+  if rows == 0:
+    raise DatasetError(f"{path}: no rows (the data set is empty)")
+
+
+def _bad_json_line(path: str) -> str | None:
+  """The first line of a JSON-lines file that is not a JSON object, described; None if none."""
+  row = 0
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        value = json.loads(line)
+      except json.JSONDecodeError as exc:
+        return f"{path}: {_line_name(number, row)}: not valid JSON ({exc.msg} at column {exc.colno})"
+      if not isinstance(value, dict):
+        return f"{path}: {_line_name(number, row)}: not a JSON object (a {type(value).__name__})"
+      row += 1
+  return None
+
+
+def _root_cause(exc: BaseException) -> str:
+  while (exc.__cause__ or exc.__context__) is not None:
+    exc = exc.__cause__ or exc.__context__
+  text = str(exc).strip().splitlines()
+  return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _field(row: dict[str, Any], dotted: str):
@@ -132,30 +201,40 @@ def load_math_dataset(
                          f"(columns: {data.column_names}); set {setting}")
   report = LoadReport(path=path, rows=len(data))
   examples = []
-  for index, row in enumerate(data):
-    values = {name: _text(_field(row, column)) for name, column in fields.items()}
-    missing = [name for name, value in values.items() if value is None]
-    if missing:
-      problem = (index, fields[missing[0]], "missing or empty")
-      if on_bad_row == "error":
-        raise DatasetError(f"{path}: row {index}: field '{fields[missing[0]]}' ({missing[0]}) is missing or empty")
-      report.skipped.append(problem)
-      continue
-    ident = _field(row, spec.id) if spec.id else None
-    examples.append(MathExample(values["question"], values["answer"], str(ident if ident is not None else index)))
+  try:
+    for index, row in enumerate(data):
+      values = {name: _text(_field(row, column)) for name, column in fields.items()}
+      missing = [name for name, value in values.items() if value is None]
+      if missing:
+        problem = (index, fields[missing[0]], "missing or empty")
+        if on_bad_row == "error":
+          raise DatasetError(f"{path}: row {index}: field '{fields[missing[0]]}' ({missing[0]}) is missing or empty")
+        report.skipped.append(problem)
+        continue
+      ident = _field(row, spec.id) if spec.id else None
+      examples.append(MathExample(values["question"], values["answer"], str(ident if ident is not None else index)))
+  except UnicodeDecodeError as exc:  # a string column holding bytes that are not UTF-8
+    row_index = len(examples) + len(report.skipped)  # rows are read in order: the next one failed
+    raise DatasetError(f"{path}: row {row_index}: not UTF-8 text ({exc.reason})") from exc
   report.kept = len(examples)
+  if not examples:
+    raise DatasetError(f"{path}: none of its {report.rows} rows has a question and an answer "
+                       f"(first skipped: row {report.skipped[0][0]}, field '{report.skipped[0][1]}')")
   return examples, report
 
 
-def split_validation(examples: list[MathExample], size: int, seed: int) -> tuple[list[MathExample], list[MathExample]]:
+def split_validation(examples: list[MathExample], size: int, seed: int, *,
+                     setting: str = "data.val_size") -> tuple[list[MathExample], list[MathExample]]:
   """The paper's split: a deterministic ``size``-question validation set held out.
 
   Returns ``(train, validation)``; the same ``seed`` and data give the same split.
+  ``setting`` is what the user sets to choose ``size``, named in the error.
   """
   import numpy as np
 
   if size < 0 or size >= len(examples):
-    raise DatasetError(f"validation size {size} must be in [0, {len(examples)}) for {len(examples)} examples")
+    raise DatasetError(f"{setting}={size} (validation size) must be in [0, {len(examples)}) for "
+                       f"{len(examples)} usable examples")
   order = np.random.default_rng(seed).permutation(len(examples))
   held = set(order[:size].tolist())
   train = [e for i, e in enumerate(examples) if i not in held]

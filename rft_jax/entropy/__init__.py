@@ -13,6 +13,7 @@ from rft_jax.entropy.discriminator import discriminator
 from rft_jax.entropy.discriminator import entropy
 from rft_jax.entropy.discriminator import expected_discriminator
 from rft_jax.entropy.discriminator import token_discriminator
+from rft_jax.entropy.discriminator import token_discriminator_from_logp
 from rft_jax.entropy.dynamics import batch_entropy_change
 from rft_jax.entropy.dynamics import entropy_jvp
 from rft_jax.entropy.dynamics import first_order_grpo_update
@@ -40,5 +41,6 @@ __all__ = [
     "masked_covariance",
     "masked_mean",
     "token_discriminator",
+    "token_discriminator_from_logp",
     "token_stats",
 ]

@@ -22,6 +22,30 @@ Clip_V ``mu_low=8.5`` with at most ``max_frac=1e-4`` of the valid tokens masked 
 most extreme ones). ``mu_high`` and ``samples`` give the paper's two-sided, all-token
 form.
 
+**Against the authors' released code** (Trinity-RFT 0.6.0,
+``trinity/algorithm/advantage_fn/clipb_advantage.py`` and ``clipv_advantage.py``, run
+side by side on identical tensors): Clip_B agrees token for token, and so does Clip_V on
+tokens with a non-zero advantage; Clip_V's cap is theirs,
+:math:`\max(\lfloor \text{max\_frac} \cdot n_{valid} \rfloor, 1)` tokens, so a batch of
+fewer than :math:`1 / \text{max\_frac}` tokens still loses its most extreme one. Two
+differences remain, both documented choices:
+
+* *Which log-probs form* :math:`S_*`. Here the learner recomputes :math:`\log p_k`, like
+  :math:`H` and :math:`\mathbb{E}_p[S]`, under the parameters being trained
+  (``learner.entropy_mask.logp_source=learner``, the default). The authors' Clip_B takes
+  :math:`S_* = e^{\ell}(H + \ell)` with :math:`\ell` the *rollout's* log-prob and
+  :math:`H` the trainer's recomputed entropy; ``logp_source=sampler`` reproduces it. Their
+  Clip_V forms :math:`S_*` from ``old_log_probs``, the trainer's recomputed ones (i.e.
+  ``learner``), and reads :math:`\mathbb{E}_p[S]` from a batch field ``necs`` that no code
+  of the 0.6.0 release fills.
+* *Zero-advantage tokens.* The authors' Clip_V docstring says it clips negative samples
+  only, but its code keeps positive-advantage tokens and applies the cut to every other
+  one (``torch.where(A > 0, True, keep_neg)``): tokens with :math:`A = 0` beyond the bound
+  are masked too, and are not limited by the ``max_frac`` cap, which selects among
+  :math:`A < 0` tokens only. With :math:`A = 0` they carry no policy gradient, but leave the token-mean
+  denominator. ``samples="negative"`` here masks :math:`A < 0` tokens only; compare
+  ``mask_frac`` with theirs on negative samples.
+
 Every mask here is a *keep* mask: multiply it into the loss mask, so that a masked
 token leaves both the loss numerator and the token-mean denominator. Statistics are
 float32 (or wider), stop-gradient, and taken over the arrays as given: pass the whole
@@ -42,6 +66,9 @@ from rft_jax.entropy.dynamics import masked_mean
 
 Samples = Literal["negative", "positive", "all"]
 SAMPLES = ("negative", "positive", "all")
+# Whose log-prob of the sampled token forms S_* for the masks (see the module docstring):
+# the learner's recomputed one (default) or the sampler's (the authors' Clip_B).
+LOGP_SOURCES = ("learner", "sampler")
 
 # Defaults of the authors' released configs.
 CLIP_B_MU_LOW = 2.5
@@ -85,8 +112,10 @@ def _outlier_keep_mask(deviation, sigma, advantages, mask, mu_low, mu_high, samp
     excess = jnp.maximum(excess, deviation / safe_sigma - mu_high)
   masked = valid & eligible_samples(advantages, samples) & (excess > 0) & (sigma > 0)
   if max_frac is not None:
-    # Keep only the floor(max_frac * n_valid) most extreme candidates masked.
-    budget = jnp.floor(max_frac * jnp.sum(valid)).astype(jnp.int32)
+    # Keep only the max(floor(max_frac * n_valid), 1) most extreme candidates masked: the
+    # authors' budget, so that a batch of fewer than 1 / max_frac tokens still loses its
+    # most extreme one.
+    budget = jnp.maximum(jnp.floor(max_frac * jnp.sum(valid)), 1).astype(jnp.int32)
     score = jnp.where(masked, excess, -jnp.inf).reshape(-1)
     rank = jnp.empty_like(score, dtype=jnp.int32).at[jnp.argsort(-score, stable=True)].set(
         jnp.arange(score.size, dtype=jnp.int32)
@@ -156,7 +185,8 @@ def clip_v_mask(
     mu_low: lower cut :math:`\mu^-` (default 8.5).
     mu_high: upper cut :math:`\mu^+`, or ``None``.
     samples: ``"negative"`` (default), ``"positive"`` or ``"all"``.
-    max_frac: largest masked fraction of valid tokens (default 1e-4), or ``None``.
+    max_frac: cap on the masked tokens, :math:`\max(\lfloor \text{max\_frac} \cdot
+      n_{valid} \rfloor, 1)` of them (the authors' budget; default 1e-4), or ``None``.
 
   Returns:
     ``[...]`` bool keep-mask.

@@ -54,8 +54,10 @@ def log_softmax(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
   top = jnp.argmax(logits, axis=-1, keepdims=True)
   # No stop_gradient on the max: the top entry's "1" is not in the tail, so the
   # derivative of log p w.r.t. z_top flows through the subtraction.
-  shifted = logits - jnp.take_along_axis(logits, top, axis=-1)
   is_top = jnp.arange(logits.shape[-1]) == top
+  # 0 at the top by construction: under jit, XLA may fuse a caller's z / T into the
+  # subtraction and round its two operands differently (log p_top > 0, H < 0).
+  shifted = jnp.where(is_top, 0.0, logits - jnp.take_along_axis(logits, top, axis=-1))
   tail = jnp.sum(jnp.where(is_top, 0.0, jnp.exp(shifted)), axis=-1, keepdims=True)
   return shifted - jnp.log1p(tail)
 
@@ -165,3 +167,24 @@ def centered_token_discriminator(
   :math:`-\alpha (S_* - \mathbb{E}_p[S])`; Clip_V thresholds this score.
   """
   return token_discriminator(logits, tokens) - expected_discriminator(logits)
+
+
+def token_discriminator_from_logp(
+    log_p_k: Float[Array, "..."], entropy: Float[Array, "..."]
+) -> Float[Array, "..."]:
+  r""":math:`S_* = p_k (H + \log p_k)` from the sampled token's log-prob and the entropy.
+
+  The two may come from different evaluations of the policy: the authors' Clip_B
+  (Trinity-RFT 0.6.0) takes :math:`\log p_k` from the rollout engine and :math:`H` from
+  the trainer's forward pass. :math:`0 \log 0 = 0` where :math:`p_k = 0`.
+
+  Args:
+    log_p_k: ``[...]`` :math:`\log p_k` of the sampled tokens.
+    entropy: ``[...]`` :math:`H` at the same positions.
+
+  Returns:
+    ``[...]`` :math:`S_*`, in the wider of the two dtypes (at least float32).
+  """
+  dtype = stats_dtype(jnp.promote_types(log_p_k.dtype, entropy.dtype))
+  p_k, log_p_k = probs_and_safe_log(log_p_k.astype(dtype))
+  return p_k * (entropy.astype(dtype) + log_p_k)

@@ -54,8 +54,12 @@ def _row_stats(logits: Float[Array, "V"], token: Int[Array, ""], entropy_grad: b
   is the accurate ``log1p`` form of :func:`rft_jax.entropy.discriminator.log_softmax`.
   """
   top = jnp.argmax(logits)
-  shifted = logits - logits[top]
-  log_norm = jnp.log1p(jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, jnp.exp(shifted))))
+  is_top = jnp.arange(logits.shape[-1]) == top
+  # The top entry is 0 by construction, not by the subtraction: under jit XLA fuses z / T
+  # into z - z_top and may round the two operands differently (one ulp, ~2e-6 at |z| ~ 16),
+  # which would make log p_top > 0 and H < 0 at confident positions.
+  shifted = jnp.where(is_top, 0.0, logits - logits[top])
+  log_norm = jnp.log1p(jnp.sum(jnp.where(is_top, 0.0, jnp.exp(shifted))))
   logp = shifted[token] - log_norm
 
   log_p_all = shifted - log_norm

@@ -22,6 +22,8 @@ QWEN_BOS = 151643  # <|endoftext|>
 QWEN_EOS = 151645  # <|im_end|>
 # Implementations of the causal self-attention (rft_jax.models.attention.causal_self_attention).
 ATTENTION_KINDS = ("auto", "blockwise", "cudnn", "splash", "reference")
+# Dtypes a config names (model.dtype, model.param_dtype, learner.ref_dtype).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +140,37 @@ class QwenConfig:
       **runtime: ``dtype``, ``param_dtype``, ``remat``, ``attention``.
 
     Raises:
-      CheckpointError: unsupported ``model_type``, RoPE scaling kind, sliding window or activation.
+      CheckpointError: not a JSON object, a missing or mistyped size, or an unsupported
+      ``model_type``, RoPE scaling kind, sliding window or activation; or sizes the decoder
+      cannot use (heads not a multiple of key/value heads, an odd head dimension).
     """
+    if not isinstance(d, dict):
+      raise CheckpointError(f"config.json: the top level must be a JSON object, not a {type(d).__name__}")
+    if runtime.get("attention", "auto") not in ATTENTION_KINDS:  # a runtime option, not the file's
+      raise ValueError(f"QwenConfig: attention={runtime['attention']!r} is not one of {ATTENTION_KINDS}")
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise CheckpointError(
           f"config.json: unsupported model_type {model_type!r}; "
           f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    missing = [key for key in _REQUIRED_SIZES if key not in d]
+    if missing:
+      raise CheckpointError(f"config.json: missing key(s) {', '.join(missing)} (sizes of the model)")
+    for key in _REQUIRED_SIZES + _OPTIONAL_SIZES:
+      value = d.get(key)
+      if key in d and value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                             or value < 1):
+        raise CheckpointError(f"config.json: {key}={value!r} must be a positive integer")
+    try:
+      return cls._from_checked_dict(d, **runtime)
+    except CheckpointError:
+      raise
+    except (ValueError, TypeError, AttributeError) as exc:  # a mistyped value; __post_init__
+      raise CheckpointError(f"config.json: {exc}") from exc
+
+  @classmethod
+  def _from_checked_dict(cls, d: dict[str, Any], **runtime) -> QwenConfig:
+    model_type = d["model_type"]
     rope_theta = _rope_theta(d)
     if d.get("use_sliding_window"):
       raise CheckpointError(
@@ -231,6 +257,12 @@ class QwenConfig:
     """Qwen/Qwen3-4B."""
     return cls("qwen3", 151936, 2560, 9728, 36, 32, 8, head_dim=128, tie_word_embeddings=True,
                max_position_embeddings=40960, **runtime)
+
+
+# Sizes config.json must give (positive integers), and those it may give.
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def _rope_theta(d: dict[str, Any]) -> float:

@@ -39,12 +39,27 @@ def _listing(names: list[str], limit: int = 20) -> str:
 
 
 def read_config(path: str | Path, **runtime) -> QwenConfig:
-  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat, attention."""
+  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat, attention.
+
+  Raises:
+    CheckpointError: no ``config.json``, or one that is not UTF-8 JSON or not a supported Qwen
+      config; the message names the file (and the line of a JSON syntax error).
+  """
   path = Path(path)
   file = path / CONFIG_FILE
   if not file.is_file():
     raise CheckpointError(f"{path}: no {CONFIG_FILE} (not a Hugging Face model directory?)")
-  return QwenConfig.from_hf_dict(json.loads(file.read_text()), **runtime)
+  try:
+    data = json.loads(file.read_bytes().decode("utf-8"))
+  except UnicodeDecodeError as exc:
+    raise CheckpointError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+  except json.JSONDecodeError as exc:
+    raise CheckpointError(f"{file}: not valid JSON: line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}") from exc
+  try:
+    return QwenConfig.from_hf_dict(data, **runtime)
+  except CheckpointError as exc:
+    raise CheckpointError(f"{file}: {str(exc).removeprefix(CONFIG_FILE + ': ')}") from exc
 
 
 def abstract_model(config: QwenConfig) -> Qwen:

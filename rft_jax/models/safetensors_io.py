@@ -74,8 +74,12 @@ def weight_map(path: Path) -> dict[str, Path]:
   """
   index = path / INDEX_FILE
   if index.is_file():
-    names = json.loads(index.read_text())["weight_map"]
-    files = {f: path / f for f in set(names.values())}
+    try:
+      names = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+      files = {f: path / f for f in set(names.values())}
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+      raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); "
+                            'expected JSON {"weight_map": {tensor name: file}}') from e
     missing = sorted(f for f, p in files.items() if not p.is_file())
     if missing:
       raise CheckpointError(f"{index}: lists shard files that do not exist: {missing}")

@@ -2,7 +2,7 @@
 array boundary of multi-process runs."""
 
 from rft_jax.parallel.mesh import MESH_AXES, make_mesh
-from rft_jax.parallel.multihost import global_array, host_array, is_main_process
+from rft_jax.parallel.multihost import global_array, host_array, is_main_process, sync_processes
 from rft_jax.parallel.sharding import (
     DEFAULT_RULES,
     FSDP_RULES,
@@ -19,5 +19,5 @@ from rft_jax.parallel.sharding import (
 __all__ = [
     "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "Rules", "TP_RULES", "global_array", "host_array",
     "is_main_process", "logical_to_spec", "make_mesh", "named_sharding", "shard_model",
-    "state_shardings", "tree_shardings", "with_shardings",
+    "state_shardings", "sync_processes", "tree_shardings", "with_shardings",
 ]

@@ -86,3 +86,11 @@ def host_array(x: Any) -> np.ndarray:
   if x.is_fully_replicated:
     return np.asarray(x.addressable_data(0))
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def sync_processes(name: str) -> None:
+  """Waits until every process has reached ``name`` (nothing to wait for on one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

@@ -8,6 +8,7 @@ per-check time limit), ``pool`` (worker processes that are killed on timeout),
 
 from rft_jax.rewards.extract import last_boxed
 from rft_jax.rewards.extract import last_unboxed_answer
+from rft_jax.rewards.pool import OVER_BUDGET
 from rft_jax.rewards.pool import Outcome
 from rft_jax.rewards.pool import TimeLimitedPool
 from rft_jax.rewards.schemes import SCHEMES
@@ -21,12 +22,14 @@ from rft_jax.rewards.score import score_batch
 from rft_jax.rewards.verify import Verdict
 from rft_jax.rewards.verify import check_equivalence
 from rft_jax.rewards.verify import check_many
+from rft_jax.rewards.verify import check_within_budget
 from rft_jax.rewards.verify import default_pool
 from rft_jax.rewards.verify import is_equivalent
 from rft_jax.rewards.verify import make_pool
 from rft_jax.rewards.verify import normalize_answer
 
 __all__ = [
+    "OVER_BUDGET",
     "Outcome",
     "RewardConfig",
     "RewardResult",
@@ -37,6 +40,7 @@ __all__ = [
     "binary_reward",
     "check_equivalence",
     "check_many",
+    "check_within_budget",
     "dapo_overlong_penalty",
     "default_pool",
     "is_equivalent",

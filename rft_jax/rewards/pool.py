@@ -23,6 +23,12 @@ worker starts in the background (~1 s to import sympy) while the others go on.
 Outcomes come back in input order. ``map`` holds a lock: one batch at a time per pool,
 callable from any thread.
 
+A batch may also have a budget, ``map(..., budget_s=)``: a wall-clock limit on the whole
+call, after which the calls still running are killed and those not started are not run, all
+reported as ``timeout`` (value ``"budget"``) -- so a batch of hanging calls costs
+``budget_s``, not one limit each. Waiting for workers to start counts against the budget,
+but a pool whose workers never become ready still fails after ``startup_timeout_s``.
+
 Nothing here imports the rest of the project.
 """
 
@@ -57,10 +63,14 @@ _BOOTSTRAP = (
 
 class Outcome(NamedTuple):
   """Result of one call: ``status`` is ``ok`` (``value`` is the return value),
-  ``timeout`` or ``error`` (``value`` names the exception or the worker's exit)."""
+  ``timeout`` (``value`` is :data:`OVER_BUDGET` when the batch's budget, not the call's own
+  limit, ended it) or ``error`` (``value`` names the exception or the worker's exit)."""
 
   status: str
   value: Any = None
+
+
+OVER_BUDGET = "budget"  # the ``value`` of a ``timeout`` that the batch's budget ended
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -96,7 +106,10 @@ def _serve(conn, parent_pid: int) -> None:
   ``(ok, value)`` until None or the parent goes away."""
   import signal
 
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+  # Ctrl-C and a scheduler's SIGTERM (often sent to the whole process group) are the trainer's to
+  # handle: it finishes its step, which needs these workers. They end with it.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   initializer, memory_limit_mb = conn.recv()
   _exit_with_parent(parent_pid)
   if memory_limit_mb is not None:
@@ -238,16 +251,22 @@ class TimeLimitedPool:
     self._workers[self._workers.index(worker)] = self._spawn()
     self.restarts += 1
 
-  def map(self, fn: Callable[..., Any], args: Sequence[tuple], timeout_s: float) -> list[Outcome]:
+  def map(self, fn: Callable[..., Any], args: Sequence[tuple], timeout_s: float, *,
+          budget_s: Optional[float] = None) -> list[Outcome]:
     """Run ``fn(*a)`` for each ``a`` in ``args``, each under ``timeout_s`` seconds.
 
     ``fn`` must be picklable by reference: a module-level function of an importable
     module (not ``__main__``). Returns one :class:`Outcome` per call, in input order.
     A call that times out or whose worker dies leaves the pool usable: its worker is
-    replaced.
+    replaced. ``budget_s`` (None: none) bounds the whole call: once it has passed, calls
+    still running are killed and calls not started are skipped, each an
+    ``Outcome("timeout", OVER_BUDGET)``.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-      raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    for name, value in (("timeout_s", timeout_s), ("budget_s", budget_s)):
+      if value is None and name == "budget_s":
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
     try:
       payloads = [pickle.dumps((fn, tuple(a))) for a in args]
     except Exception as e:
@@ -256,18 +275,26 @@ class TimeLimitedPool:
       if self._closed:
         raise RuntimeError("TimeLimitedPool.map called after close()")
       try:
-        return self._map(payloads, float(timeout_s))
+        end = float("inf") if budget_s is None else time.monotonic() + budget_s
+        return self._map(payloads, float(timeout_s), end)
       except BaseException:
         for w in list(self._workers):  # a worker still busy would answer the next batch
           if w.task is not None:
             self._replace(w)
         raise
 
-  def _map(self, payloads: list[bytes], timeout_s: float) -> list[Outcome]:
+  def _map(self, payloads: list[bytes], timeout_s: float, end: float) -> list[Outcome]:
+    """The batch; ``end``: the ``time.monotonic()`` at which its budget runs out (or inf)."""
     results: list[Optional[Outcome]] = [None] * len(payloads)
     pending = collections.deque(range(len(payloads)))
     idle_since = time.monotonic()
+    dispatched = False  # until a worker has taken a task, the start-up limit applies, not the budget
     while pending or any(w.task is not None for w in self._workers):
+      if pending and time.monotonic() >= end and (dispatched or any(w.ready for w in self._workers)):
+        for task in pending:  # budget spent: what has not started never will
+          results[task] = Outcome("timeout", OVER_BUDGET)
+        pending.clear()
+        continue
       for w in list(self._workers):  # hand out tasks to ready, idle workers
         if pending and w.ready and w.task is None:
           task = pending.popleft()
@@ -277,7 +304,8 @@ class TimeLimitedPool:
             pending.appendleft(task)
             self._replace(w)
             continue
-          w.task, w.deadline = task, time.monotonic() + timeout_s
+          w.task, w.deadline = task, min(time.monotonic() + timeout_s, end)
+          dispatched = True
       busy = [w for w in self._workers if w.task is not None]
       now = time.monotonic()
       if busy:
@@ -287,6 +315,8 @@ class TimeLimitedPool:
         wait_s = self._startup_timeout_s - (now - idle_since)
         if wait_s <= 0:
           raise RuntimeError(f"no worker became ready within startup_timeout_s={self._startup_timeout_s}")
+        if dispatched:
+          wait_s = min(wait_s, max(0.0, end - now))
       listening = [w.conn for w in self._workers if w.task is not None or not w.ready]
       for conn in mp_connection.wait(listening, timeout=wait_s):
         w = next(w for w in self._workers if w.conn is conn)
@@ -313,7 +343,7 @@ class TimeLimitedPool:
       now = time.monotonic()
       for w in list(self._workers):
         if w.task is not None and now >= w.deadline:
-          results[w.task] = Outcome("timeout")
+          results[w.task] = Outcome("timeout", OVER_BUDGET if w.deadline >= end else None)
           self._replace(w)
     return results  # type: ignore[return-value]
 

@@ -113,6 +113,12 @@ class RewardConfig:
     memory_limit_mb: address-space limit of each verifier process (None: none); an
       expression that blows up memory then fails inside its worker (wrong, or an
       ``error`` verdict) instead of exhausting the host.
+    step_time_limit_s: wall-clock budget of one scored batch (a step's rollouts, or one
+      refill round or evaluation chunk), seconds (> 0, or None: no budget). Past it, every
+      answer not yet judged is scored as a timed-out answer (wrong; counted in
+      ``timeouts`` and ``over_budget``) instead of each waiting its own ``timeout_s``.
+      Default 60 s: a normal batch of ~1000 answers is judged in a few seconds, while 128
+      hanging answers at 5 s each on 4 workers would take 160 s.
   """
 
   scheme: str = "binary"
@@ -122,6 +128,7 @@ class RewardConfig:
   overlong_max_len: int = 20480
   overlong_cache_len: int = 4096
   memory_limit_mb: Optional[int] = 4096
+  step_time_limit_s: Optional[float] = 60.0
 
   def __post_init__(self):
     if self.scheme not in SCHEMES:
@@ -138,5 +145,8 @@ class RewardConfig:
       raise ValueError(
           f"rewards.overlong_max_len must be an int > overlong_cache_len={self.overlong_cache_len}, "
           f"got {self.overlong_max_len!r}")
+    if self.step_time_limit_s is not None and (not _is_number(self.step_time_limit_s)
+                                               or not self.step_time_limit_s > 0):
+      raise ValueError(f"rewards.step_time_limit_s must be None or a number > 0, got {self.step_time_limit_s!r}")
     if self.memory_limit_mb is not None and (not _is_int(self.memory_limit_mb) or self.memory_limit_mb < 512):
       raise ValueError(f"rewards.memory_limit_mb must be None or an int >= 512, got {self.memory_limit_mb!r}")

@@ -2,7 +2,10 @@ r"""Score a batch of completions: extract, verify in the worker pool, apply the 
 
 All checks of a batch are handed to the :class:`~rft_jax.rewards.pool.TimeLimitedPool`
 at once and run concurrently in ``config.num_workers`` processes, so one slow or
-hanging answer costs at most ``config.timeout_s`` of one worker, not the batch.
+hanging answer costs at most ``config.timeout_s`` of one worker, not the batch. The
+whole batch has ``config.step_time_limit_s``: past it, the answers not yet judged are
+scored as timed out (wrong) and counted in ``timeouts`` and ``over_budget``, so a batch
+of hanging answers costs that budget, not ``timeout_s`` each.
 
 The reward of completion :math:`i` is
 
@@ -17,6 +20,7 @@ The reward of completion :math:`i` is
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional, Sequence
 
 import numpy as np
@@ -24,7 +28,9 @@ import numpy as np
 from rft_jax.rewards.extract import last_boxed, last_unboxed_answer
 from rft_jax.rewards.pool import TimeLimitedPool
 from rft_jax.rewards.schemes import SCHEMES, RewardConfig, dapo_overlong_penalty
-from rft_jax.rewards.verify import Verdict, check_many, default_pool
+from rft_jax.rewards.verify import Verdict, check_within_budget, default_pool
+
+logger = logging.getLogger(__name__)
 
 TRUNCATED_FINISH_REASON = "length"
 
@@ -40,8 +46,11 @@ class RewardResult:
     unformatted_correct: bool ``[B]``, no box but the last math span / number is
       right (computed only for schemes that use it; False otherwise).
     truncated: bool ``[B]``, ``finish_reason == 'length'``.
-    timed_out: bool ``[B]``, a check of this completion hit the time limit.
+    timed_out: bool ``[B]``, a check of this completion hit the time limit (its own, or
+      the batch's budget).
     timeouts / errors: number of checks that timed out / failed in the batch.
+    over_budget: how many of the ``timeouts`` the batch's budget
+      (``RewardConfig.step_time_limit_s``) cut, not started or stopped when it ran out.
   """
 
   reward: np.ndarray
@@ -52,11 +61,12 @@ class RewardResult:
   timed_out: np.ndarray
   timeouts: int
   errors: int
+  over_budget: int = 0
 
   def metrics(self, prefix: str = "reward/") -> dict[str, float]:
     """Batch means and counts for logging."""
     if self.reward.size == 0:
-      return {f"{prefix}timeouts": 0.0, f"{prefix}errors": 0.0}
+      return {f"{prefix}timeouts": 0.0, f"{prefix}errors": 0.0, f"{prefix}over_budget": 0.0}
     return {
         f"{prefix}mean": float(self.reward.mean()),
         f"{prefix}accuracy": float(self.correct.mean()),
@@ -64,6 +74,7 @@ class RewardResult:
         f"{prefix}truncated_rate": float(self.truncated.mean()),
         f"{prefix}timeouts": float(self.timeouts),
         f"{prefix}errors": float(self.errors),
+        f"{prefix}over_budget": float(self.over_budget),
     }
 
 
@@ -106,7 +117,12 @@ def score_batch(
       is_boxed.append(boxed[i] is not None)
   if pairs and pool is None:
     pool = default_pool(config.num_workers, memory_limit_mb=config.memory_limit_mb)
-  verdicts = check_many(pairs, timeout_s=config.timeout_s, pool=pool) if pairs else []
+  verdicts, over_budget = check_within_budget(
+      pairs, timeout_s=config.timeout_s, budget_s=config.step_time_limit_s, pool=pool) if pairs else ([], 0)
+  if over_budget:
+    logger.warning("rewards: the batch's time budget rewards.step_time_limit_s=%s ran out; %d of %d "
+                   "answers were not judged and count as timed out (wrong)",
+                   config.step_time_limit_s, over_budget, len(pairs))
 
   correct = np.zeros(n, bool)
   unformatted_correct = np.zeros(n, bool)
@@ -130,4 +146,5 @@ def score_batch(
       timed_out=timed_out,
       timeouts=int(timed_out.sum()),
       errors=int(errors),
+      over_budget=int(over_budget),
   )

@@ -32,7 +32,7 @@ import threading
 from typing import Optional, Sequence
 
 from rft_jax.rewards.extract import last_boxed
-from rft_jax.rewards.pool import TimeLimitedPool
+from rft_jax.rewards.pool import OVER_BUDGET, TimeLimitedPool
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -162,18 +162,38 @@ def check_many(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pool: Optional[TimeLimitedPool] = None,
+    budget_s: Optional[float] = None,
 ) -> list[Verdict]:
   """Verdicts of ``(answer, ground_truth)`` pairs, checked concurrently in ``pool``,
   each under ``timeout_s`` seconds; in input order. ``answer`` None is ``WRONG``
-  without a worker round trip."""
+  without a worker round trip. ``budget_s`` bounds the whole batch (see
+  :func:`check_within_budget`)."""
+  return check_within_budget(pairs, timeout_s=timeout_s, budget_s=budget_s, pool=pool)[0]
+
+
+def check_within_budget(
+    pairs: Sequence[tuple[Optional[str], str]],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    budget_s: Optional[float] = None,
+    pool: Optional[TimeLimitedPool] = None,
+) -> tuple[list[Verdict], int]:
+  """:func:`check_many` whose whole batch has ``budget_s`` seconds (None: no budget).
+
+  Once the budget is spent, checks still running are stopped and checks not started are
+  skipped; each is a ``TIMEOUT`` verdict. Returns the verdicts and how many of them the
+  budget cut (as opposed to a check's own ``timeout_s``).
+  """
   verdicts: list[Optional[Verdict]] = [Verdict.WRONG if a is None else None for a, _ in pairs]
   todo = [i for i, v in enumerate(verdicts) if v is None]
+  over_budget = 0
   if todo:
     pool = default_pool() if pool is None else pool
-    outcomes = pool.map(check_equivalence, [pairs[i] for i in todo], timeout_s)
+    outcomes = pool.map(check_equivalence, [pairs[i] for i in todo], timeout_s, budget_s=budget_s)
     for i, out in zip(todo, outcomes):
       verdicts[i] = Verdict(out.value) if out.status == "ok" else _STATUS_VERDICT[out.status]
-  return verdicts  # type: ignore[return-value]
+      over_budget += out.status == "timeout" and out.value == OVER_BUDGET
+  return verdicts, over_budget  # type: ignore[return-value]
 
 
 def is_equivalent(

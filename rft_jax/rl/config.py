@@ -7,19 +7,30 @@ overrides are merged into these dataclasses, so a typo or a wrong type is an err
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
-from rft_jax.entropy.clipping import CLIP_B_MU_LOW, CLIP_V_MAX_FRAC, CLIP_V_MU_LOW, SAMPLES
+from rft_jax.entropy.clipping import CLIP_B_MU_LOW, CLIP_V_MAX_FRAC, CLIP_V_MU_LOW, LOGP_SOURCES, SAMPLES
+from rft_jax.models.config import DTYPES
 from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 
 ENTROPY_MASKS = ("none", "clip_b", "clip_v", "sign")
 SCHEDULES = ("constant", "warmup_cosine")
+REF_DTYPES = (None, *DTYPES)
 
 
 def _choice(field: str, value, choices) -> None:
   if value not in choices:
-    raise ValueError(f"{field}={value!r} is not one of {sorted(choices)}")
+    raise ValueError(f"{field}={value!r} is not one of {sorted(choices, key=str)}")
+
+
+def _finite_numbers(prefix: str, config) -> None:
+  """Rejects NaN and infinite values of every numeric field (YAML accepts ``.nan`` and ``1e39``)."""
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+      raise ValueError(f"{prefix}.{f.name} must be a finite number, got {value!r}")
 
 
 def _positive(field: str, value, allow_zero: bool = False) -> None:
@@ -39,7 +50,11 @@ class EntropyMaskConfig:
     mu_high: upper cut mu^+ (None: no upper cut, as the released configs).
     samples: which samples may be masked: ``negative`` (A < 0), ``positive``, ``all``.
     max_frac: Clip_V's cap on the masked share of valid tokens (None: its default 1e-4;
-      set 1.0 for no cap).
+      set 1.0 for no cap). At least the single most extreme token may be masked, as in the
+      authors' code.
+    logp_source: which log-probs of the sampled token form S_* for the mask: ``learner``
+      (default: recomputed by the learner, like the entropy) or ``sampler`` (the rollout's, as
+      the authors' Clip_B; see ``rft_jax.entropy.clipping``).
     sign / action: for ``kind=sign``: ``positive``/``negative`` S_*, ``keep``/``drop``.
   """
 
@@ -50,12 +65,17 @@ class EntropyMaskConfig:
   max_frac: Optional[float] = None
   sign: str = "positive"
   action: str = "drop"
+  logp_source: str = "learner"
 
   def __post_init__(self):
+    _finite_numbers("entropy_mask", self)
     _choice("entropy_mask.kind", self.kind, ENTROPY_MASKS)
     _choice("entropy_mask.samples", self.samples, SAMPLES)
     _choice("entropy_mask.sign", self.sign, ("positive", "negative"))
     _choice("entropy_mask.action", self.action, ("keep", "drop"))
+    _choice("entropy_mask.logp_source", self.logp_source, LOGP_SOURCES)
+    if self.max_frac is not None and not 0.0 <= self.max_frac <= 1.0:
+      raise ValueError(f"entropy_mask.max_frac must be in [0, 1], got {self.max_frac!r}")
     for name in ("mu_low", "mu_high"):
       if getattr(self, name) is not None:
         _positive(f"entropy_mask.{name}", getattr(self, name), allow_zero=True)
@@ -81,10 +101,13 @@ class LearnerConfig:
     eps_low / eps_high: PPO clip range [1 - eps_low, 1 + eps_high] of the ratio r.
     dual_clip: dual-clip constant c > 1 for A < 0 (None: off).
     loss_agg: loss aggregation (``token-mean``, ``seq-mean-token-mean``, ...).
-    kl_coef / kl_estimator: KL-to-reference penalty beta (0: off) and its estimator.
+    kl_coef / kl_estimator: KL-to-reference penalty beta (0: off) and its estimator. The
+      reference is a frozen copy of the starting parameters (``rft_jax.rl.reference``).
+    ref_dtype: storage dtype of the reference parameters: ``float32``, ``bfloat16`` (half the
+      memory of a float32 copy) or None (the policy parameters' dtype).
     entropy_coef: entropy bonus coefficient (0: off).
     entropy_mask: the Clip_B / Clip_V / sign mask.
-    lr: learning rate eta; schedule ``constant`` or ``warmup_cosine``; warmup_steps;
+    lr: learning rate eta, in (0, 1]; schedule ``constant`` or ``warmup_cosine``; warmup_steps;
       total_steps (for the cosine decay); weight_decay; b1, b2: Adam betas; adam_eps: Adam's
       epsilon (a larger one stops Adam from moving parameters whose gradients are only noise
       by a full step of size lr).
@@ -108,6 +131,7 @@ class LearnerConfig:
   max_len: Optional[int] = None
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
+  ref_dtype: Optional[str] = None
   entropy_coef: float = 0.0
   entropy_mask: EntropyMaskConfig = dataclasses.field(default_factory=EntropyMaskConfig)
   lr: float = 1e-6
@@ -129,10 +153,14 @@ class LearnerConfig:
   def __post_init__(self):
     if isinstance(self.entropy_mask, dict):
       self.entropy_mask = EntropyMaskConfig(**self.entropy_mask)
+    if not 0 < self.lr <= 1:  # also NaN; 1e39 (accepted before) turned every parameter to inf
+      raise ValueError(f"learner.lr must be a finite number in (0, 1], got {self.lr!r}")
+    _finite_numbers("learner", self)
     _choice("learner.advantage", self.advantage, ADVANTAGE_ESTIMATORS)
     _choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
     _choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     _choice("learner.schedule", self.schedule, SCHEDULES)
+    _choice("learner.ref_dtype", self.ref_dtype, REF_DTYPES)
     if self.temperature is not None:
       _positive("learner.temperature", self.temperature)
     for name in ("lr", "mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size", "total_steps"):

@@ -15,6 +15,13 @@ A step, all inside one ``jax.jit`` with explicit shardings:
    On the very first update the parameters are those of the pre-update pass, and the
    old log-probs are taken from the same forward pass (stop-gradient): the ratio is
    exactly 1.
+4. **Non-finite guard**: if a loss, a gradient norm or an updated parameter is not finite (a
+   NaN in a weight, an absurd learning rate), the step returns its input state unchanged
+   (parameters, optimizer state and step counter) and reports ``nonfinite_skipped = 1``.
+
+With ``kl_coef > 0`` and no ``batch.ref_logp``, the step also runs a no-gradient forward pass of
+the frozen reference parameters (``rft_jax.rl.reference``; an argument of the compiled step
+beside the state, never donated) for the reference log-probs of the KL term.
 
 When the step is a single update on a single micro-batch (``mini_batches = ppo_epochs = 1``
 and ``micro_batch_size`` = the batch), steps 1-3 share one forward pass: the statistics of
@@ -35,17 +42,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rft_jax.entropy import (
-    batch_entropy_change,
-    clip_b_mask,
-    clip_v_mask,
-    discriminator_sign_mask,
-    masked_mean,
-    token_stats,
-)
+from rft_jax.entropy import batch_entropy_change, masked_mean, token_stats
 from rft_jax.parallel import global_array, host_array, with_shardings
+from rft_jax.rl import reference as ref_lib
 from rft_jax.rl.config import LearnerConfig
+from rft_jax.rl.entropy_mask import entropy_keep_mask
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
+from rft_jax.rl.nonfinite import keep_if_finite
 
 
 @flax.struct.dataclass
@@ -57,8 +60,10 @@ class LearnerBatch:
     attention_mask: ``[B, L]`` 1 on real tokens.
     response_mask: ``[B, L]`` 1 on completion tokens that count in the loss.
     advantages: ``[B]`` one advantage per completion.
-    sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token.
-    ref_logp: optional ``[B, L]`` log-probs under the reference policy (KL term).
+    sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
+      ``logp_mismatch`` metric; the entropy mask's S_* with ``entropy_mask.logp_source=sampler``).
+    ref_logp: optional ``[B, L]`` log-probs under the reference policy (KL term); None: the
+      learner computes them with its reference parameters.
   """
 
   input_ids: jax.Array
@@ -75,7 +80,7 @@ class TrainState:
 
   params: Any
   opt_state: Any
-  step: jax.Array  # train steps (batches) done
+  step: jax.Array  # train steps (batches) applied; a step skipped as non-finite does not count
 
 
 def split_rows(x: jax.Array, n: int) -> jax.Array:
@@ -107,34 +112,33 @@ def make_optimizer(config: LearnerConfig) -> tuple[optax.GradientTransformation,
   return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw), schedule
 
 
-def entropy_keep_mask(config: LearnerConfig, s_star, centered, advantages, mask) -> jax.Array:
-  """The configured entropy-discriminator keep-mask over the whole batch."""
-  m = config.entropy_mask
-  if m.kind == "none":
-    return jnp.ones(mask.shape, bool)
-  if m.kind == "clip_b":
-    return clip_b_mask(s_star, advantages, mask, mu_low=m.resolved_mu_low, mu_high=m.mu_high,
-                       samples=m.samples)
-  if m.kind == "clip_v":
-    return clip_v_mask(centered, advantages, mask, mu_low=m.resolved_mu_low, mu_high=m.mu_high,
-                       samples=m.samples, max_frac=m.resolved_max_frac)
-  return discriminator_sign_mask(s_star, advantages, sign=m.sign, action=m.action, samples=m.samples)
-
-
 class Learner:
   """Compiles and runs the GRPO train step for one model architecture and config.
 
   The learner holds no training state: :meth:`init` returns a :class:`TrainState` and
-  :meth:`step` maps a state and a batch to the next state and the step's metrics.
+  :meth:`step` maps a state and a batch to the next state and the step's metrics. With
+  ``kl_coef > 0`` it holds the frozen reference parameters (:attr:`reference`), made by
+  :meth:`init`.
+
+  Args:
+    model: the policy (its architecture; :meth:`init` takes its parameters).
+    config: the learner's config.
+    mesh: device mesh (None: one device).
+    data_axis: the mesh axis batch rows are split over.
+    reference: the reference policy of the KL term, an ``nnx.Module`` or its ``nnx.Param``
+      state, of the policy's architecture (e.g. another checkpoint); None: the policy's starting
+      parameters, those of the model given to :meth:`init`. Used only when ``kl_coef > 0``.
   """
 
   def __init__(self, model: nnx.Module, config: LearnerConfig, *, mesh: Mesh | None = None,
-               data_axis: str = "data"):
+               data_axis: str = "data", reference: Any = None):
     self.config = config
     self.mesh = mesh
     self.data_axis = data_axis
     self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
     self.optimizer, self.schedule = make_optimizer(config)
+    self._reference_source = reference
+    self.reference = None  # frozen reference parameters, set by init() when kl_coef > 0
     self._train_step = None  # compiled on the first step, with the state's shardings
     self._mean_entropy = jax.jit(self._mean_entropy_fn)
 
@@ -147,8 +151,15 @@ class Learner:
     The state owns those arrays from now on: :meth:`step` donates them, so use
     :meth:`model` (not the ``model`` passed here) after the first step. With a mesh, the
     optimizer state is created directly in the layout of :meth:`state_shardings`.
+
+    With ``kl_coef > 0`` it also sets :attr:`reference`: :meth:`reference_params` of the
+    constructor's ``reference``, or else of ``model``, copied before any step donates it.
     """
     params = nnx.state(model, nnx.Param)
+    if self.config.kl_coef > 0 and self.reference is None:
+      source = model if self._reference_source is None else self._reference_source
+      self.reference = self.reference_params(source, like=params)
+      self._reference_source = None  # the learner keeps only the frozen copy
     if self.mesh is None:
       return TrainState(params=params, opt_state=jax.jit(self.optimizer.init)(params),
                         step=jnp.zeros((), jnp.int32))
@@ -157,6 +168,28 @@ class Learner:
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
     return TrainState(params=params, opt_state=opt_state,
                       step=global_array(jnp.zeros((), jnp.int32), shardings.step))
+
+  def _param_shardings(self, params):
+    """The parameters' layout on the mesh (None without a mesh)."""
+    return None if self.mesh is None else self.state_shardings(params).params
+
+  def reference_params(self, source: Any, *, like: Any = None) -> Any:
+    """Frozen reference parameters from ``source`` (an ``nnx.Module`` or its ``nnx.Param``
+    state, of the policy's architecture): a copy in ``learner.ref_dtype``, laid out like the
+    policy parameters ``like`` (default: ``source``'s own), sharing no buffer with ``source``.
+    One more copy of the model in memory (half of it in bfloat16)."""
+    params = ref_lib.reference_source_params(source)
+    like = params if like is None else ref_lib.reference_source_params(like)
+    ref_lib.check_matches_policy(params, like)
+    return ref_lib.frozen_copy(params, self._param_shardings(like), self.config.ref_dtype)
+
+  def abstract_reference(self, params) -> Any:
+    """The reference parameters the step takes for policy ``params`` (abstract or concrete, laid
+    out on the mesh), as ``jax.ShapeDtypeStruct`` with shardings; None when ``kl_coef == 0``.
+    Its bytes are the reference's memory (``rft-jax plan``)."""
+    if self.config.kl_coef <= 0:
+      return None
+    return ref_lib.abstract_reference(params, self._param_shardings(params), self.config.ref_dtype)
 
   def state_shardings(self, params) -> TrainState:
     """The layout of a train state on the mesh, from its parameters (arrays or abstract
@@ -244,14 +277,14 @@ class Learner:
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     return self._loss_terms(stats, micro, normaliser, old_logp)
 
-  def _single_pass_loss(self, params, per_token, response):
+  def _single_pass_loss(self, params, per_token, response, sampler_logp):
     """The loss of a step that is one update on one micro-batch: the pre-update statistics
     (old log-probs, entropy mask) are the stop-gradient of the same forward pass, so the step
     costs one forward and one backward instead of two forwards and a backward."""
     stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
                               entropy_grad=self.config.entropy_coef > 0)
     fixed = jax.lax.stop_gradient(stats)
-    keep = entropy_keep_mask(self.config, fixed.s_star, fixed.centered, per_token["advantages"], response)
+    keep = entropy_keep_mask(self.config, fixed, sampler_logp, per_token["advantages"], response)
     micro = dict(per_token, loss_mask=response * keep)
     normaliser = loss_normaliser(micro["loss_mask"], self.config.max_len)
     loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
@@ -292,25 +325,39 @@ class Learner:
     c = self.config
     return c.mini_batches == 1 and c.ppo_epochs == 1 and self._micro_batches(batch_size) == 1
 
-  def _train_step_fn(self, state: TrainState, batch: LearnerBatch):
+  def _reference_logp(self, batch: LearnerBatch, reference) -> jax.Array | None:
+    """``[B, L-1]`` reference log-probs of the completion tokens: ``batch.ref_logp`` if given,
+    else (``kl_coef > 0``) a no-gradient pass of the reference parameters at the sampling
+    temperature, micro-batch by micro-batch like the pre-update pass."""
+    if batch.ref_logp is not None:
+      return batch.ref_logp[:, 1:]
+    if self.config.kl_coef <= 0:
+      return None
+    if reference is None:
+      raise ValueError("learner.kl_coef > 0 needs reference log-probs: the learner's reference "
+                       "parameters (set by Learner.init) or batch.ref_logp")
+    return jax.lax.stop_gradient(self.batch_stats(reference, batch).logp)
+
+  def _train_step_fn(self, state: TrainState, batch: LearnerBatch, reference=None):
     c = self.config
+    start = state
     response = batch.response_mask[:, 1:].astype(jnp.float32) * batch.attention_mask[:, 1:]
     advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
     per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages}
+    ref_logp = self._reference_logp(batch, reference)
     if c.kl_coef > 0:
-      if batch.ref_logp is None:
-        raise ValueError("learner.kl_coef > 0 needs batch.ref_logp (reference log-probs)")
-      per_token["ref_logp"] = batch.ref_logp[:, 1:]
+      per_token["ref_logp"] = ref_logp
+    sampler_logp = batch.sampler_logp[:, 1:]
     lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
 
     if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
-      (loss, (counts, stats, keep)), grads = grad_fn(state.params, per_token, response)
+      (loss, (counts, stats, keep)), grads = grad_fn(state.params, per_token, response, sampler_logp)
       state, grad_norm = self._apply(state, grads)
       loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
     else:
       stats = self.batch_stats(state.params, batch)
-      keep = entropy_keep_mask(c, stats.s_star, stats.centered, advantages, response)
+      keep = entropy_keep_mask(c, stats, sampler_logp, advantages, response)
       loss_mask = response * keep
       per_token.update(loss_mask=loss_mask, old_logp=stats.logp)
       losses, grad_norms = [], []
@@ -348,34 +395,55 @@ class Learner:
         "logp_mismatch": masked_mean(jnp.abs(batch.sampler_logp[:, 1:] - stats.logp), valid),
         "response_tokens": jnp.sum(valid),
     }
-    if batch.ref_logp is not None:
-      metrics["kl"] = masked_mean(kl_penalty(stats.logp, batch.ref_logp[:, 1:], c.kl_estimator), valid)
-    return state.replace(step=state.step + 1), metrics
+    if ref_logp is not None:  # measured with the pre-update parameters
+      metrics["kl"] = masked_mean(kl_penalty(stats.logp, ref_logp, c.kl_estimator), valid)
+    state, metrics["nonfinite_skipped"] = keep_if_finite(state, start, losses + grad_norms)
+    return state, metrics
 
   def _mean_entropy_fn(self, params, batch: LearnerBatch):
     stats = self.batch_stats(params, batch)
     valid = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
     return masked_mean(stats.entropy, valid)
 
-  def _compile(self, state: TrainState, batch: LearnerBatch):
+  def _compile(self, state: TrainState, batch: LearnerBatch, reference=None):
     """``jax.jit`` of the step with explicit shardings when a mesh is given: the state keeps
-    the layout it has (parameters as placed by ``rft_jax.parallel``), batch rows are split
-    over the data axis and metrics are replicated."""
+    the layout it has (parameters as placed by ``rft_jax.parallel``), the reference keeps its
+    own (the parameters'; never donated), batch rows are split over the data axis and metrics
+    are replicated."""
     if self.mesh is None:
       return jax.jit(self._train_step_fn, donate_argnums=0)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    reference_shardings = jax.tree.map(lambda x: x.sharding, reference)
     rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
     batch_shardings = jax.tree.map(lambda _: rows, batch)
     replicated = NamedSharding(self.mesh, PartitionSpec())
     return jax.jit(self._train_step_fn, donate_argnums=0,
-                   in_shardings=(state_shardings, batch_shardings),
+                   in_shardings=(state_shardings, batch_shardings, reference_shardings),
                    out_shardings=(state_shardings, replicated))
 
-  def lower_step(self, state: TrainState, batch: LearnerBatch) -> jax.stages.Lowered:
+  def _step_reference(self, batch: LearnerBatch, reference=None, state: TrainState | None = None):
+    """The reference parameters a step on ``batch`` takes: None unless ``kl_coef > 0`` and the
+    batch has no ``ref_logp``; else ``reference``, :attr:`reference`, or (``state`` given) the
+    abstract one of :meth:`abstract_reference`."""
+    if self.config.kl_coef <= 0 or batch.ref_logp is not None:
+      return None
+    if reference is None:
+      reference = self.reference
+    if reference is None and state is not None:
+      reference = self.abstract_reference(state.params)
+    if reference is None:
+      raise ValueError("learner.kl_coef > 0 needs reference log-probs: call Learner.init (it copies "
+                       "the starting parameters, or the constructor's reference) or pass batch.ref_logp")
+    return reference
+
+  def lower_step(self, state: TrainState, batch: LearnerBatch, reference=None) -> jax.stages.Lowered:
     """The step lowered for ``state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct`` with
     shardings, e.g. :meth:`abstract_state`): ``.compile().memory_analysis()`` gives its bytes
-    per device (``rft-jax plan``)."""
-    return self._compile(state, batch).lower(state, batch)
+    per device (``rft-jax plan``). With ``kl_coef > 0`` and no ``batch.ref_logp`` the step also
+    takes the reference parameters: ``reference``, else :attr:`reference`, else
+    :meth:`abstract_reference` of ``state.params``; they count in the argument bytes."""
+    reference = self._step_reference(batch, reference, state)
+    return self._compile(state, batch, reference).lower(state, batch, reference)
 
   def place_batch(self, batch: LearnerBatch) -> LearnerBatch:
     """``batch`` as global arrays with rows over the data axis (unchanged without a mesh).
@@ -391,6 +459,8 @@ class Learner:
   def step(self, state: TrainState, batch: LearnerBatch) -> tuple[TrainState, dict[str, float]]:
     """One train step. ``state`` is donated: use the returned state afterwards.
 
+    A step whose loss, gradient norm or updated parameters are not finite returns ``state``'s
+    values unchanged, step counter included, with ``metrics["nonfinite_skipped"] == 1.0``.
     ``batch`` is placed with :meth:`place_batch`. Every ``forecast_every`` steps the entropy
     of the updated policy on the same batch is measured (one more forward pass) next to the
     first-order forecast. The metrics are read back on every process.
@@ -398,9 +468,10 @@ class Learner:
     every = self.config.forecast_every
     measure = every > 0 and int(host_array(state.step)) % every == 0
     batch = self.place_batch(batch)
+    reference = self._step_reference(batch)
     if self._train_step is None:
-      self._train_step = self._compile(state, batch)
-    new_state, metrics = self._train_step(state, batch)
+      self._train_step = self._compile(state, batch, reference)
+    new_state, metrics = self._train_step(state, batch, reference)
     metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:
       measured = float(host_array(self._mean_entropy(new_state.params, batch)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -36,6 +37,8 @@ class ModelConfig:
       ``auto`` (splash kernel on TPU, cuDNN flash attention on GPU with 16-bit activations,
       else ``blockwise``), or one of ``blockwise``, ``cudnn``, ``splash``, ``reference`` (the
       materialised ``[B, N, T, T]`` einsum, for checks).
+    ref_path: the reference policy of the KL term (``learner.kl_coef > 0``), another HF
+      directory of the same architecture; empty: the starting weights (``path``).
   """
 
   path: str = ""
@@ -43,6 +46,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   attention: str = "auto"
+  ref_path: str = ""
 
   def __post_init__(self):
     if self.attention not in ATTENTION_KINDS:
@@ -105,6 +109,10 @@ class EvalSetConfig:
   format: str = "jsonl"
   k: int = 8
 
+  def __post_init__(self):
+    if self.k < 1:
+      raise ConfigError(f"eval set {self.name!r}: k={self.k} must be >= 1")
+
 
 @dataclasses.dataclass
 class EvalConfig:
@@ -124,6 +132,10 @@ class EvalConfig:
   max_val_problems: Optional[int] = None
   sets: list[EvalSetConfig] = dataclasses.field(default_factory=list)
 
+  def __post_init__(self):
+    if self.val_k < 1:
+      raise ConfigError(f"eval.val_k={self.val_k} must be >= 1")
+
 
 @dataclasses.dataclass
 class MeshConfig:
@@ -131,6 +143,12 @@ class MeshConfig:
 
   data: int = -1
   model: int = 1
+
+  def __post_init__(self):
+    if self.data != -1 and self.data < 1:
+      raise ConfigError(f"mesh.data={self.data} must be -1 (all devices / mesh.model) or >= 1")
+    if self.model < 1:
+      raise ConfigError(f"mesh.model={self.model} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -147,6 +165,12 @@ class TrainConfig:
     progress: show a progress bar.
     compilation_cache_dir: where JAX keeps compiled programs across processes ('' = off), so
       that a rerun or a resumed run skips the compilations it has seen before.
+    max_nonfinite_steps: the run stops with an error after this many consecutive steps whose
+      loss or gradient norm was not finite (each such step is skipped: parameters and
+      optimizer state unchanged).
+
+  Checks that need files or the device count (paths, row counts, the data-parallel split)
+  are :func:`rft_jax.train.preflight.validate_for_training`'s, run before the model loads.
   """
 
   run_dir: str = "runs/default"
@@ -165,11 +189,16 @@ class TrainConfig:
   keep_checkpoints: int = 3
   progress: bool = True
   compilation_cache_dir: str = ""
+  max_nonfinite_steps: int = 3
 
   def __post_init__(self):
     if self.model.dtype not in ("float32", "bfloat16") or self.model.param_dtype not in ("float32", "bfloat16"):
       raise ConfigError(f"model.dtype / model.param_dtype must be float32 or bfloat16, got "
                         f"{self.model.dtype!r} / {self.model.param_dtype!r}")
+    if self.data.prompts_per_step <= 0:
+      raise ConfigError(f"data.prompts_per_step must be > 0, got {self.data.prompts_per_step}")
+    if self.data.val_size < 0:
+      raise ConfigError(f"data.val_size must be >= 0, got {self.data.val_size}")
     rollouts = self.data.prompts_per_step * self.sampling.n
     per_update = self.learner.micro_batch_size * self.learner.mini_batches
     if rollouts % per_update:
@@ -198,7 +227,7 @@ class TrainConfig:
           f"the distribution the rollouts were sampled from (leave learner.temperature unset)")
     if self.learner.max_len is None:
       self.learner.max_len = self.sampling.max_new_tokens
-    for name in ("steps", "keep_checkpoints"):
+    for name in ("steps", "keep_checkpoints", "max_nonfinite_steps"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -233,23 +262,76 @@ def _merge(path: str | None, overrides: Sequence[str], defaults: dict, where: st
     if defaults:
       merged = OmegaConf.merge(merged, OmegaConf.create(defaults))
     if path:
-      merged = OmegaConf.merge(merged, OmegaConf.load(path))
+      merged = OmegaConf.merge(merged, _load_yaml(path))
     if overrides:
-      bad = [o for o in overrides if "=" not in o]
-      if bad:
-        raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
-      # `key=` is the empty string (OmegaConf reads it as null, which a str field refuses)
-      merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o + "''" if o.endswith("=") else o
-                                                               for o in overrides]))
-    return OmegaConf.to_object(merged)
-  except FileNotFoundError as exc:
-    raise ConfigError(f"config file not found: {path}") from exc
+      merged = OmegaConf.merge(merged, _parse_overrides(overrides))
+    try:
+      return OmegaConf.to_object(merged)
+    except ConfigError as exc:  # a dataclass __post_init__ check: say where the values came from
+      raise ConfigError(f"{where}: {exc}") from exc
   except OmegaConfBaseException as exc:
     raise ConfigError(f"{where}: {_describe(exc)}") from exc
   except ConfigError:
     raise
   except ValueError as exc:  # a dataclass __post_init__ check
     raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _load_yaml(path: str):
+  """The YAML file as an OmegaConf mapping; a file that is missing, not UTF-8, not YAML or not a
+  mapping is a :class:`ConfigError` naming the file (and the line)."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except FileNotFoundError as exc:
+    raise ConfigError(f"config file not found: {path}") from exc
+  except OSError as exc:  # a directory, no permission
+    raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from exc
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as exc:
+    line = raw.count(b"\n", 0, exc.start) + 1
+    raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from exc
+  try:
+    loaded = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+  except yaml.YAMLError as exc:
+    raise ConfigError(f"{path}: malformed YAML: {_yaml_problem(exc)}") from exc
+  if not OmegaConf.is_dict(loaded):
+    raise ConfigError(f"{path}: the top level must be a mapping of settings (key: value), "
+                      f"not a {type(OmegaConf.to_container(loaded)).__name__}")
+  return loaded
+
+
+def _parse_overrides(overrides: Sequence[str]):
+  bad = [o for o in overrides if "=" not in o]
+  if bad:
+    raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+  dotlist = []
+  for override in overrides:
+    # `key=` is the empty string (OmegaConf reads it as null, which a str field refuses)
+    item = override + "''" if override.endswith("=") else override
+    try:
+      OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as exc:
+      raise ConfigError(f"override {override!r}: the value is not valid YAML: "
+                        f"{_yaml_problem(exc, with_line=False)}") from exc
+    dotlist.append(item)
+  return OmegaConf.from_dotlist(dotlist)
+
+
+def _yaml_problem(exc: yaml.YAMLError, with_line: bool = True) -> str:
+  """What a YAML parser error says, with the line and column of its marks (1-based)."""
+  def at(mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if with_line and mark is not None else ""
+
+  problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+  context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+  problem_mark = getattr(exc, "problem_mark", None) or context_mark
+  text = f"{at(problem_mark)}: {problem}" if at(problem_mark) else problem
+  if context:
+    where = at(context_mark) if context_mark is not problem_mark else ""
+    text += f" ({context}{' at ' + where if where else ''})"
+  return text
 
 
 def to_yaml(config: TrainConfig) -> str:

@@ -13,8 +13,11 @@ would have done.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import sys
 import time
 from typing import Any
 
@@ -24,16 +27,20 @@ import numpy as np
 
 from rft_jax import data as data_lib
 from rft_jax.models import chat_token_ids, load_hf, load_tokenizer
-from rft_jax.parallel import is_main_process, make_mesh
+from rft_jax.parallel import is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import score_batch
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer
-from rft_jax.train.config import DataConfig, TrainConfig, to_yaml
+from rft_jax.train.config import DataConfig, TrainConfig
+from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metrics_log import MetricsLog, NullLog
+from rft_jax.train.preemption import StopSignals
+from rft_jax.train.preflight import validate_for_training
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
+from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
 
 def stop_token_ids(tokenizer: Any, model_eos: Any = None) -> tuple[int, ...]:
   """End-of-sequence ids: the tokenizer's eos, the model config's, and Qwen's chat markers."""
@@ -65,8 +72,11 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   """Builds the run and returns it with a fresh train state."""
   data_size, model_size = mesh_axes(cfg, len(jax.devices()))
   mesh = make_mesh(data=data_size, model=model_size)
-  model = load_hf(cfg.model.path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
-                  mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
+  def load(path):
+    return load_hf(path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
+                   mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
+
+  model = load(cfg.model.path)
   tokenizer = load_tokenizer(cfg.model.path)
   examples, report = data_lib.load_math_dataset(
       cfg.data.train_path, cfg.data.format, question_field=cfg.data.question_field,
@@ -78,8 +88,10 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
                                                 cfg.data.max_prompt_len)
   stream = data_lib.PromptStream(prompts, prompts_per_step=cfg.data.prompts_per_step, seed=cfg.seed,
                                  epochs=cfg.data.epochs)
-  learner = Learner(model, cfg.learner, mesh=mesh)
-  state = learner.init(model)
+  reference = load(cfg.model.ref_path) if cfg.model.ref_path and cfg.learner.kl_coef > 0 else None
+  learner = Learner(model, cfg.learner, mesh=mesh, reference=reference)
+  state = learner.init(model)  # with kl_coef > 0, copies the reference (default: these weights)
+  del reference
   run = Run(cfg, mesh, learner, tokenizer, stream, validation,
             stop_token_ids(tokenizer, model.config.eos_token_id),
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
@@ -204,6 +216,7 @@ def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
       "zero_variance_group_frac": float(np.mean(np.ptp(all_rewards, axis=1) == 0)),
       "refills": float(refills),
       "reward_timeouts": float(sum(p["scored"].timeouts for p in parts)),
+      "reward_over_budget": float(sum(p["scored"].over_budget for p in parts)),
       "time_sample": sample_time, "time_reward": sum(p["reward_time"] for p in parts),
       "time_learner": learn_time, "sample_tokens_per_s": tokens / max(sample_time, 1e-9),
   })
@@ -214,52 +227,134 @@ def _checkpoint_meta(run: Run, step: int) -> dict:
   return {"step": step, "seed": run.config.seed, "data": run.stream.get_state()}
 
 
-def train(cfg: TrainConfig, *, resume: bool = True) -> dict[str, float]:
+def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
+          allow_config_change: bool = False) -> dict[str, float]:
   """Runs (or resumes) a training run in ``cfg.run_dir``; returns the last step's metrics.
 
   With ``resume`` (the default) a run directory that holds checkpoints continues from
-  the latest one; the metrics of the resumed steps equal those of an uninterrupted run.
+  the latest one that restores; the metrics of the resumed steps equal those of an
+  uninterrupted run. Without it, a directory holding an earlier run is refused unless
+  ``overwrite``; a resume with a config that differs in what the run computes is refused
+  unless ``allow_config_change`` (:func:`rft_jax.train.run_dir.prepare_run_dir`).
+
+  Faults end the run with a :class:`rft_jax.train.errors.RunError` naming the cause, after
+  saving the last completed step when that is possible: a second trainer on the directory,
+  a failed write (metrics, TensorBoard, checkpoint), ``max_nonfinite_steps`` skipped steps in
+  a row, SIGTERM / SIGINT (after finishing the step), an evaluation that fails. Running out
+  of data (``data.epochs``) ends the run early with a checkpoint and a message.
 
   On several processes (one per host) every process runs this with the same config: all
   of them sample, score, learn and checkpoint (orbax coordinates the writes); only
-  process 0 writes ``config.yaml``, the metrics and the progress bar.
+  process 0 takes the directory's lock and writes ``config.yaml``, the metrics and the
+  progress bar.
   """
   main = is_main_process()
-  os.makedirs(cfg.run_dir, exist_ok=True)
   if cfg.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
-  if main:
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-      f.write(to_yaml(cfg))
-  run, state = build_run(cfg)
-  checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
-  start = 0
-  if resume and checkpointer.latest_step() is not None:
-    state, meta, start = checkpointer.restore(state)
-    run.stream.set_state(meta["data"])
-  log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None) if main else NullLog()
+  validate_for_training(cfg, jax.device_count())
+  with (RunDirLock(cfg.run_dir) if main else contextlib.nullcontext()), StopSignals() as signals:
+    if main:
+      prepare_run_dir(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+    sync_processes("rft_jax.prepare_run_dir")
+    run, state = build_run(cfg)
+    checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
+    start = 0
+    if resume and checkpointer.latest_step() is not None:
+      state, meta, start = checkpointer.restore(state)
+      run.stream.set_state(meta["data"])
+      if main:
+        print(f"rft-jax: resumed from step {start} of {cfg.run_dir}", file=sys.stderr, flush=True)
+    log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None) if main else NullLog()
+    return _run_steps(run, state, start, checkpointer, log, signals)
+
+
+def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, signals) -> dict[str, float]:
+  cfg = run.config
   metrics: dict[str, float] = {}
-  progress = _progress(cfg, start, enabled=main)
+  progress = _progress(cfg, start, enabled=is_main_process())
+  done = saved = start  # steps in `state`; steps in the latest checkpoint
+  skipped_in_row = skipped_total = 0
+
+  def save(step: int) -> None:
+    nonlocal saved
+    checkpointer.save(step, state, _checkpoint_meta(run, step))
+    log.flush()
+    saved = step
+
   try:
     if cfg.eval.at_start and start == 0:
       log.write(-1, _timed_evaluation(run, state))
     for step in range(start, cfg.steps):
-      state, metrics = train_step(run, state, step)
-      if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
-        metrics.update(_timed_evaluation(run, state))
+      try:
+        state, metrics = train_step(run, state, step)
+      except StopIteration:
+        print(f"rft-jax: the training data ran out (data.epochs={cfg.data.epochs}) before step "
+              f"{step}; stopping with a checkpoint of step {done}", file=sys.stderr, flush=True)
+        break
+      done = step + 1
+      skipped = bool(metrics.get("nonfinite_skipped", 0.0))
+      skipped_in_row = skipped_in_row + 1 if skipped else 0
+      skipped_total += skipped
+      metrics["nonfinite_skipped_total"] = float(skipped_total)
+      if cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps):
+        try:
+          metrics.update(_timed_evaluation(run, state))
+        except Exception:
+          log.write(step, metrics)  # the step's own metrics; its checkpoint follows below
+          raise
       if step == start:
         metrics.update({f"data_{k}": float(v) for k, v in run.data_report.items()})
       log.write(step, metrics)
+      checkpointer.check()
       progress.update(1)
       progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", entropy=f"{metrics['entropy']:.3f}")
-      done = step + 1
-      if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-        checkpointer.save(done, state, _checkpoint_meta(run, done))
-  finally:
+      if skipped_in_row >= cfg.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"steps {step - skipped_in_row + 1}-{step}: the loss or gradient norm was not finite "
+            f"{skipped_in_row} times in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); each "
+            f"was skipped, the parameters are those after step {step - skipped_in_row}")
+      stop = signals.requested()
+      if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps or stop:
+        save(done)
+      if stop:
+        checkpointer.wait()
+        raise Preempted(f"stopped by {signal.Signals(stop).name} after step {done}: checkpoint of "
+                        f"step {done} in {checkpointer.directory}; rerun the command to resume", stop)
+    if done > saved:
+      save(done)
+  except BaseException as exc:
+    if done > saved and not isinstance(exc, (WriteError, Preempted)):
+      _save_after_error(save, done, state)
     progress.close()
-    checkpointer.close()
-    log.close()
+    _close_quietly(checkpointer.close, log.close)
+    raise
+  progress.close()
+  checkpointer.close()
+  log.close()
   return metrics
+
+
+def _save_after_error(save, step: int, state) -> None:
+  """Saves the last completed step of a run that is failing, saying so; a save that cannot be
+  made (e.g. the state's buffers were donated to the failing step) is reported, not raised."""
+  if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+    print(f"rft-jax: the state after step {step} is gone with the failing step; not saved",
+          file=sys.stderr, flush=True)
+    return
+  try:
+    save(step)
+    print(f"rft-jax: saved a checkpoint of step {step} before stopping on the error below",
+          file=sys.stderr, flush=True)
+  except Exception as exc:  # the original error is the one to report
+    print(f"rft-jax: could not save step {step} before stopping: {exc}", file=sys.stderr, flush=True)
+
+
+def _close_quietly(*closers) -> None:
+  for close in closers:
+    try:
+      close()
+    except Exception as exc:  # an error is already on its way out
+      print(f"rft-jax: while stopping: {exc}", file=sys.stderr, flush=True)
 
 
 def _timed_evaluation(run: Run, state) -> dict[str, float]:

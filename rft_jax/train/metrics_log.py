@@ -4,14 +4,23 @@ JSONL is the source of truth (one object per step with ``step`` and ``time``; re
 back with :func:`read_metrics`); TensorBoard event files in ``RUN_DIR/tensorboard``
 mirror the scalars for live viewing. On several processes only process 0 writes them; the
 others get a :class:`NullLog`.
+
+Both are written in the caller's thread: a write that fails (a full disk, a lost mount)
+raises :class:`WriteError` naming the file and the cause at once. (tensorboardX's
+``SummaryWriter`` writes from a thread that dies on such an error, after which its queue
+fills and the training loop blocks forever; here its synchronous ``EventsWriter`` is used.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
+import warnings
+
+from rft_jax.train.errors import WriteError
 
 
 class MetricsLog:
@@ -21,32 +30,62 @@ class MetricsLog:
   def __init__(self, run_dir: str, *, resume_from_step: int | None = None, tensorboard: bool = True):
     os.makedirs(run_dir, exist_ok=True)
     self.path = os.path.join(run_dir, "metrics.jsonl")
-    if resume_from_step is not None and os.path.exists(self.path):
-      kept = [r for r in read_metrics(self.path) if r["step"] < resume_from_step]
-      with open(self.path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    elif resume_from_step is None and os.path.exists(self.path):
-      os.remove(self.path)
-    self._file = open(self.path, "a")
-    self._writer = None
+    with _naming(self.path):
+      if resume_from_step is not None and os.path.exists(self.path):
+        kept = [r for r in read_metrics(self.path) if r["step"] < resume_from_step]
+        with open(self.path, "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in kept)
+      elif resume_from_step is None and os.path.exists(self.path):
+        os.remove(self.path)
+      self._file = open(self.path, "a")
+    self._events = None
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+      from tensorboardX.event_file_writer import EventsWriter
+
+      self._events_dir = os.path.join(run_dir, "tensorboard")
+      with _naming(self._events_dir):
+        os.makedirs(self._events_dir, exist_ok=True)
+        self._events = EventsWriter(os.path.join(self._events_dir, "events"))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     record = {"step": step, "time": time.time()}
     record.update({k: (float(v) if v is not None else None) for k, v in metrics.items()})
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    if self._writer is not None:
-      for key, value in metrics.items():
-        if value is not None and math.isfinite(float(value)):
-          self._writer.add_scalar(key, float(value), step)
+    with _naming(self.path):
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+    if self._events is not None:
+      from tensorboardX import summary
+      from tensorboardX.proto.event_pb2 import Event
+
+      with _naming(self._events_dir):
+        for key, value in metrics.items():
+          if value is not None and math.isfinite(float(value)):
+            self._events.write_event(Event(wall_time=record["time"], step=step,
+                                           summary=summary.scalar(key, float(value))))
+        self._events.flush()
+
+  def flush(self) -> None:
+    """Puts everything written so far on disk, past the OS's cache (the loop calls it at each
+    checkpoint, so the metrics of every checkpointed step survive a machine crash)."""
+    with _naming(self.path):
+      os.fsync(self._file.fileno())
+    if self._events is not None:
+      with _naming(self._events_dir):
+        self._events.flush()
+        for name in os.listdir(self._events_dir):
+          fd = os.open(os.path.join(self._events_dir, name), os.O_RDONLY)
+          try:
+            os.fsync(fd)
+          finally:
+            os.close(fd)
 
   def close(self) -> None:
-    self._file.close()
-    if self._writer is not None:
-      self._writer.close()
+    try:
+      self._file.close()
+      if self._events is not None:
+        self._events.close()
+    except OSError:  # already reported by the write that failed; closing must not mask it
+      pass
 
 
 class NullLog:
@@ -55,13 +94,39 @@ class NullLog:
   def write(self, step: int, metrics: dict[str, float]) -> None:
     del step, metrics
 
+  def flush(self) -> None:
+    pass
+
   def close(self) -> None:
     pass
 
 
+@contextlib.contextmanager
+def _naming(path: str):
+  """Re-raises an ``OSError`` as :class:`WriteError` naming ``path``."""
+  try:
+    yield
+  except OSError as exc:
+    raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
 def read_metrics(path: str) -> list[dict]:
-  """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``)."""
+  """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``).
+
+  A last line that is not JSON (a crash in the middle of writing it) is dropped with a
+  warning; an unreadable line before it is an error naming the file and the line.
+  """
   if os.path.isdir(path):
     path = os.path.join(path, "metrics.jsonl")
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  with open(path, "rb") as f:
+    lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+  records = []
+  for i, (number, line) in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except ValueError as exc:
+      if i < len(lines) - 1:
+        raise ValueError(f"{path}, line {number}: not a JSON record ({exc})") from None
+      warnings.warn(f"{path}, line {number}: dropped a torn last record (a crash while writing it)",
+                    stacklevel=2)
+  return records

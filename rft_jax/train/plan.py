@@ -148,7 +148,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       input_ids=token(jnp.int32), attention_mask=token(jnp.int32), response_mask=token(jnp.int32),
       advantages=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=row_sharding),
       sampler_logp=token(jnp.float32),
-      ref_logp=token(jnp.float32) if cfg.learner.kl_coef > 0 else None)
+      ref_logp=None)  # with kl_coef > 0, the step computes them from its reference parameters
   progress(f"compiling the learner step ({rows} rows x {width} tokens) for {topo.name} ...")
   start = time.perf_counter()
   compiled = learner.lower_step(train_state, batch).compile()
@@ -157,6 +157,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       compile_seconds=time.perf_counter() - start,
       parameter_bytes=_bytes_per_device(train_state.params),
       optimizer_state_bytes=_bytes_per_device(train_state.opt_state),
+      reference_bytes=_bytes_per_device(learner.abstract_reference(train_state.params) or {}),
       rows=rows, sequence_length=width, micro_batch_size=cfg.learner.micro_batch_size)
   progress(f"learner: {learner_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
            f"{learner_report['compile_seconds']:.0f} s")
@@ -165,7 +166,8 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   if sampler:
     progress("compiling the sampler ...")
     sampler_report = _plan_sampler(cfg, config, mesh, graphdef, state, topo,
-                                   resident=learner_report["optimizer_state_bytes"])
+                                   resident=learner_report["optimizer_state_bytes"]
+                                   + learner_report["reference_bytes"])
     progress(f"sampler: {sampler_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
              f"{sampler_report['compile_seconds']:.0f} s")
   return {
@@ -233,14 +235,14 @@ def format_report(report: dict[str, Any]) -> str:
       f"model={mesh['model']}",
       f"learner  {l['rows']} rows x {l['sequence_length']} tokens, micro-batch "
       f"{l['micro_batch_size']}: parameters {g(l['parameter_bytes'])} + optimizer "
-      f"{g(l['optimizer_state_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
+      f"{g(l['optimizer_state_bytes'])} + KL reference {g(l['reference_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
       f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])} = "
       f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
       f"(compiled in {l['compile_seconds']:.0f} s)",
       f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, {s['cache_slots']} "
       f"slots: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
-      f"optimizer state {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
+      f"optimizer state and reference {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
       *(f"warning: {w}" for w in report["warnings"]),
       f"fits: {'yes' if report['fits'] else 'NO'}",

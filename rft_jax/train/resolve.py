@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax.numpy as jnp
-
+from rft_jax.models.config import DTYPES
 from rft_jax.sampling import SamplingParams
 from rft_jax.train.config import TrainConfig
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+__all__ = ["DTYPES", "mesh_axes", "sampling_params"]
 
 
 def mesh_axes(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:

@@ -1,0 +1,118 @@
+"""Checks of a training config against the files and the devices, before the model loads.
+
+:func:`load_config` checks values; this checks what needs the disk or the device count, so that
+a wrong path or a row count that cannot be split fails in the first second of a run, not at
+its first evaluation (``rft-jax plan`` loads configs whose data files need not exist, so these
+checks are separate):
+
+* ``model.path``: a directory with a readable ``config.json`` of a supported model, safetensors
+  weights and tokenizer files;
+* ``data.train_path``: loads (format, columns, rows, UTF-8), and holds more usable rows than
+  ``data.val_size``, leaving at least one batch of ``data.prompts_per_step``;
+* each ``eval.sets[i].path``: loads, when evaluation is on (``eval.every`` or ``eval.at_start``);
+* the mesh: ``mesh.data x mesh.model`` fits ``n_devices``, and every micro-batch (so every
+  step's prompts x samples) splits evenly over the data-parallel devices.
+
+Every failure is a :class:`ConfigError` naming the setting, the file and the value, except a
+model directory's own files, whose :class:`~rft_jax.models.CheckpointError` names the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rft_jax.data import DatasetError, load_math_dataset
+from rft_jax.models.hf import read_config
+from rft_jax.models.safetensors_io import weight_map
+from rft_jax.models.tokenizer import check_tokenizer_files
+from rft_jax.train.config import ConfigError, TrainConfig
+from rft_jax.train.resolve import mesh_axes
+
+
+def validate_for_training(cfg: TrainConfig, n_devices: int) -> None:
+  """Raises :class:`ConfigError` (or ``CheckpointError``) for the first input that cannot run.
+
+  Args:
+    cfg: the loaded config.
+    n_devices: all devices of the run (``jax.device_count()``, every host's).
+  """
+  data_parallel_devices(cfg, n_devices)
+  check_model_dir(cfg.model.path)
+  if cfg.model.ref_path and cfg.learner.kl_coef > 0:
+    check_model_dir(cfg.model.ref_path, key="model.ref_path", tokenizer=False)
+  check_training_data(cfg)
+  check_eval_sets(cfg)
+
+
+def data_parallel_devices(cfg: TrainConfig, n_devices: int) -> int:
+  """The mesh's ``data`` size on ``n_devices`` (``mesh.data=-1``: devices / ``mesh.model``),
+  checked to split every micro-batch evenly."""
+  data, model = mesh_axes(cfg, n_devices)
+  if cfg.mesh.data > 0:
+    how = f"mesh.data={data}"
+    if data * model > n_devices:
+      raise ConfigError(f"mesh.data={data} x mesh.model={model} = {data * model} devices, but "
+                        f"{n_devices} are available")
+  else:
+    how = f"mesh.data=-1: {n_devices} devices / mesh.model={model}"
+    if n_devices % model:
+      raise ConfigError(f"mesh.model={model} does not divide the {n_devices} devices "
+                        f"(mesh.data=-1 takes all of them)")
+  micro = cfg.learner.micro_batch_size
+  if micro % data:
+    raise ConfigError(
+        f"learner.micro_batch_size={micro} is not a multiple of the {data} data-parallel devices "
+        f"({how}): data.prompts_per_step x sampling.n = "
+        f"{cfg.data.prompts_per_step * cfg.sampling.n} rollouts must split into micro-batches "
+        f"whose rows split evenly over those devices")
+  return data
+
+
+def check_model_dir(path: str, key: str = "model.path", tokenizer: bool = True) -> None:
+  """``key`` names a model directory: config.json (parsed), weights and (``tokenizer``) a
+  tokenizer."""
+  if not os.path.isdir(path):
+    raise ConfigError(f"{key}={path!r}: no such directory")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise ConfigError(f"{key}={path!r}: no config.json in that directory "
+                      "(not a Hugging Face model directory?)")
+  read_config(path)  # CheckpointError naming the file: not JSON, missing keys, unsupported
+  weight_map(Path(path))  # weights present, their headers readable
+  if tokenizer:
+    check_tokenizer_files(path)
+
+
+def check_training_data(cfg: TrainConfig) -> int:
+  """Loads ``data.train_path`` as the run will; returns its usable rows, checked against
+  ``data.val_size`` and ``data.prompts_per_step``."""
+  d = cfg.data
+  try:
+    examples, report = load_math_dataset(d.train_path, d.format, question_field=d.question_field,
+                                         answer_field=d.answer_field, on_bad_row=d.on_bad_row)
+  except DatasetError as exc:
+    raise ConfigError(f"data.train_path: {exc}") from exc
+  usable = len(examples)
+  rows = f"{report.rows} rows" + (f" ({usable} usable)" if usable != report.rows else "")
+  if d.val_size >= usable:
+    raise ConfigError(f"data.val_size={d.val_size} must be below the number of training "
+                      f"questions: data.train_path={d.train_path!r} has {rows}")
+  left = usable - d.val_size
+  if left < d.prompts_per_step:
+    raise ConfigError(
+        f"data.train_path={d.train_path!r} has {rows}; holding out data.val_size={d.val_size} "
+        f"leaves {left}, fewer than one batch of data.prompts_per_step={d.prompts_per_step}")
+  return usable
+
+
+def check_eval_sets(cfg: TrainConfig) -> None:
+  """Loads every ``eval.sets`` entry as the evaluation will (when evaluation is on)."""
+  if not (cfg.eval.every or cfg.eval.at_start):
+    return
+  for i, s in enumerate(cfg.eval.sets):
+    if not s.path:
+      raise ConfigError(f"eval.sets[{i}] ({s.name!r}): path is required")
+    try:
+      load_math_dataset(s.path, s.format, on_bad_row="skip")
+    except DatasetError as exc:
+      raise ConfigError(f"eval.sets[{i}] ({s.name!r}) path: {exc}") from exc

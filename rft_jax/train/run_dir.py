@@ -1,0 +1,138 @@
+"""The run directory: one trainer at a time, never two runs mixed, an honest resume.
+
+* :class:`RunDirLock`: ``RUN_DIR/trainer.lock`` held (``flock``) while a trainer runs; a
+  second trainer is refused with the holder's PID. The kernel releases the lock when its
+  process ends, however it ends, so a killed trainer's directory is free again at once.
+* :func:`prepare_run_dir`: a fresh start (``--no-resume``) refuses a directory that holds
+  an earlier run's checkpoints or metrics unless ``overwrite`` (which deletes them); a resume
+  compares the new config with the run's ``config.yaml`` and refuses changes that would make
+  the run differ from an uninterrupted one (:data:`CHANGEABLE_ON_RESUME` lists what may
+  change), unless ``allow_config_change``; the old config is kept as ``config.<n>.yaml``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rft_jax.train.config import TrainConfig, to_yaml
+from rft_jax.train.errors import RunDirError
+
+LOCK_FILE = "trainer.lock"
+# What a resumed run may change without --allow-config-change: how long it runs, where and how
+# it logs, checkpoints and evaluates, and memory layout (the same maths; a different mesh or
+# micro-batch may change float rounding).
+CHANGEABLE_ON_RESUME = ("run_dir", "steps", "progress", "checkpoint_every", "keep_checkpoints",
+                        "compilation_cache_dir", "max_nonfinite_steps", "eval.", "mesh.",
+                        "model.remat", "model.attention", "sampling.max_rollouts_per_call",
+                        "learner.micro_batch_size", "learner.stats_chunk_size",
+                        "learner.forecast_every")
+# What belongs to a run (deleted by overwrite).
+RUN_FILES = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "tensorboard")
+
+
+class RunDirLock:
+  """An exclusive lock on a run directory for the life of a trainer (a context manager)."""
+
+  def __init__(self, run_dir: str):
+    self.path = os.path.join(run_dir, LOCK_FILE)
+    self._fd: int | None = None
+
+  def __enter__(self) -> "RunDirLock":
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+      os.close(fd)
+      raise RunDirError(f"{os.path.dirname(self.path)} is in use by another trainer (process "
+                        f"{holder}); wait for it to end or stop it") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode())
+    self._fd = fd
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._fd is not None:
+      os.ftruncate(self._fd, 0)
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+  """The steps of the checkpoints in ``RUN_DIR/checkpoints`` (orbax's step directories)."""
+  directory = os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool = False,
+                    allow_config_change: bool = False) -> None:
+  """Makes ``cfg.run_dir`` ready for this run and writes its ``config.yaml`` (see the module
+  docstring). Raises :class:`RunDirError` (changing nothing) when it cannot be used as asked."""
+  run_dir = cfg.run_dir
+  steps = checkpoint_steps(run_dir)
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  config_path = os.path.join(run_dir, "config.yaml")
+  if overwrite:
+    for name in RUN_FILES + tuple(n for n in _listdir(run_dir) if n.startswith("config.")):
+      path = os.path.join(run_dir, name)
+      if os.path.isdir(path):
+        shutil.rmtree(path)
+      elif os.path.exists(path):
+        os.remove(path)
+  elif not resume and (steps or os.path.exists(metrics)):
+    held = f"checkpoints of steps {steps}" if steps else "metrics.jsonl"
+    raise RunDirError(f"{run_dir} holds {held} of an earlier run; starting over there would mix "
+                      f"two runs: pass --overwrite to delete them, or set run_dir to a new "
+                      f"directory")
+  elif resume and steps and os.path.exists(config_path):
+    changes = config_changes(OmegaConf.to_container(OmegaConf.load(config_path)), cfg)
+    refused = [c for c in changes if not c[0].startswith(CHANGEABLE_ON_RESUME)]
+    if refused and not allow_config_change:
+      listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
+      raise RunDirError(f"resuming {run_dir} (checkpoint of step {steps[-1]}) with a config that "
+                        f"differs from its config.yaml in {listed}; the run would not repeat an "
+                        f"uninterrupted one: pass --allow-config-change to resume anyway, or use a "
+                        f"new run_dir")
+    if changes:
+      os.replace(config_path, _next_free(run_dir))
+  os.makedirs(run_dir, exist_ok=True)
+  with open(config_path, "w") as f:
+    f.write(to_yaml(cfg))
+
+
+def config_changes(old: dict, cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
+  """``(dotted key, old value, new value)`` for every setting of ``old`` (a loaded
+  ``config.yaml``) that ``cfg`` sets differently."""
+  new = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+  return [(key, value, new[key]) for key, value in _flatten(old).items()
+          if key in new and new[key] != value]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix[:-1]: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flatten(value, f"{prefix}{key}."))
+  return flat
+
+
+def _next_free(run_dir: str) -> str:
+  n = 1
+  while os.path.exists(os.path.join(run_dir, f"config.{n}.yaml")):
+    n += 1
+  return os.path.join(run_dir, f"config.{n}.yaml")
+
+
+def _listdir(path: str) -> list[str]:
+  return os.listdir(path) if os.path.isdir(path) else []

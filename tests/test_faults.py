@@ -1,0 +1,387 @@
+"""A run meets its faults and ends or recovers cleanly: a full disk, --no-resume on an earlier
+run, non-finite steps, a second trainer, signals, data that runs out, a failing evaluation, a
+changed config on resume, torn and corrupt files."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from loop_fixtures import make_loop_files, overrides
+from rft_jax import cli
+from rft_jax.train.metrics_log import read_metrics
+from rft_jax.train.run_dir import RunDirLock
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  return make_loop_files(tmp_path_factory.mktemp("faults"))
+
+
+def args(setup, run_dir, steps, *extra):
+  """A short run without evaluation on a 2-device mesh (quick to compile)."""
+  return ["train", *overrides(setup, run_dir, steps, "eval.every=0", "mesh.data=2", "mesh.model=1",
+                              "learner.forecast_every=0", *extra)]
+
+
+def steps_of(run_dir):
+  return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def trainer(cmd, **kwargs):
+  """``rft-jax`` in a subprocess (with this suite's environment: 8 fake CPU devices)."""
+  return subprocess.Popen([sys.executable, "-m", "rft_jax.cli", *cmd], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def wait_for_records(run_dir, count, proc, timeout=300):
+  path = run_dir / "metrics.jsonl"
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if path.exists() and len(path.read_text().splitlines()) >= count:
+      return
+    assert proc.poll() is None, proc.communicate()[1]
+    time.sleep(0.2)
+  raise AssertionError(f"no {count} records in {path} after {timeout} s")
+
+
+# --- 1. a full disk ends the run at once, naming the file and the cause --------------------------
+
+
+def test_a_write_that_fails_ends_the_run_with_the_file_and_the_cause(setup, tmp_path, monkeypatch, capsys):
+  from tensorboardX.event_file_writer import EventsWriter
+
+  real = EventsWriter.write_event
+  calls = []
+
+  def full_after_first_step(self, event):
+    calls.append(event.step)
+    if event.step >= 1:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(self, event)
+
+  monkeypatch.setattr(EventsWriter, "write_event", full_after_first_step)
+  started = time.time()
+  assert cli.main(args(setup, tmp_path / "tb", 4)) == 1
+  err = capsys.readouterr().err
+  assert f"cannot write {tmp_path / 'tb' / 'tensorboard'}: No space left on device" in err, err
+  assert time.time() - started < 120 and [r["step"] for r in read_metrics(str(tmp_path / "tb"))] == [0, 1]
+
+  # a checkpoint saved in the background that fails is reported after the next step
+  monkeypatch.undo()
+  import orbax.checkpoint as ocp
+
+  saves = []
+  real_check = ocp.CheckpointManager.check_for_errors
+
+  def failed_save(self):
+    if saves:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real_check(self)
+
+  real_save = ocp.CheckpointManager.save
+  monkeypatch.setattr(ocp.CheckpointManager, "save", lambda self, *a, **k: saves.append(1) or real_save(self, *a, **k))
+  monkeypatch.setattr(ocp.CheckpointManager, "check_for_errors", failed_save)
+  assert cli.main(args(setup, tmp_path / "ckpt", 6, "checkpoint_every=2")) == 1
+  err = capsys.readouterr().err
+  assert f"saving a checkpoint to {tmp_path / 'ckpt' / 'checkpoints'} failed" in err and "No space" in err
+  assert [r["step"] for r in read_metrics(str(tmp_path / "ckpt"))] == [0, 1, 2]  # stopped after step 2
+
+
+FULL_DISK_DRIVER = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    mount, cmd = sys.argv[1], sys.argv[2:]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", mount], check=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(mount, "run", "metrics.jsonl")
+    while not (os.path.exists(metrics) and open(metrics).read().count("\\n") >= 1):
+      if proc.poll() is not None:
+        break
+      time.sleep(0.2)
+    with open(os.path.join(mount, "filler"), "wb", buffering=0) as f:  # fill the disk
+      for size in (1 << 16, 1 << 12, 1):
+        try:
+          while True:
+            f.write(b"x" * size)
+        except OSError:
+          pass
+    filled = time.time()
+    try:
+      err = proc.communicate(timeout=180)[1]
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      err = "HUNG"
+    print(json.dumps({"rc": proc.returncode, "stderr": err, "seconds": time.time() - filled}))
+""")
+
+
+def _can_mount_tmpfs():
+  probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                         capture_output=True)
+  return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="no unprivileged mount namespace for a small tmpfs "
+                    "(the failing-writer test above covers the same paths)")
+def test_a_real_full_disk_ends_the_run_promptly(setup, tmp_path):
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  cmd = [sys.executable, "-m", "rft_jax.cli", *args(setup, mount / "run", 40, "checkpoint_every=1")]
+  out = subprocess.run(["unshare", "-rm", sys.executable, "-c", FULL_DISK_DRIVER, str(mount), *cmd],
+                       capture_output=True, text=True, timeout=600)
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["stderr"] != "HUNG", "the run hung on a full disk"
+  assert result["rc"] == 1 and result["seconds"] < 120, result
+  assert "No space left on device" in result["stderr"] and str(mount / "run") in result["stderr"], result
+
+
+# --- 2. --no-resume never mixes two runs --------------------------------------------------------
+
+
+def test_no_resume_refuses_an_earlier_run_and_overwrite_replaces_it(setup, tmp_path, capsys):
+  run = tmp_path / "run"
+  assert cli.main(args(setup, run, 2, "checkpoint_every=1")) == 0
+  before = (run / "metrics.jsonl").read_text()
+  cmd = args(setup, run, 1)
+  assert cli.main([*cmd[:3], "--no-resume", *cmd[3:]]) == 1  # a flag among the overrides
+  err = capsys.readouterr().err
+  assert str(run) in err and "checkpoints of steps [1, 2]" in err and "--overwrite" in err
+  assert steps_of(run) == [1, 2] and (run / "metrics.jsonl").read_text() == before
+  events = set((run / "tensorboard").iterdir())
+  assert cli.main([*cmd[:2], "--overwrite", *cmd[2:], "seed=5"]) == 0
+  assert steps_of(run) == [1] and [r["step"] for r in read_metrics(str(run))] == [0]
+  assert not events & set((run / "tensorboard").iterdir())
+  assert "seed: 5" in (run / "config.yaml").read_text() and not list(run.glob("config.*.yaml"))
+
+
+# --- 3. non-finite steps are skipped, counted, and stop the run ---------------------------------
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run_and_are_never_saved(setup, tmp_path, capsys):
+  from safetensors.numpy import load_file, save_file
+
+  root, model_dir, data = setup
+  assert cli.main(args(setup, tmp_path / "lr", 1, "learner.lr=1e39")) == 2
+  assert "learner.lr" in capsys.readouterr().err
+
+  nan_model = tmp_path / "nan_model"
+  nan_model.mkdir()
+  for f in model_dir.iterdir():
+    (nan_model / f.name).write_bytes(f.read_bytes())
+  weights = load_file(str(nan_model / "model.safetensors"))
+  name = next(k for k in weights if "mlp.down_proj" in k)
+  weights[name][0, 0] = np.nan
+  save_file(weights, str(nan_model / "model.safetensors"), metadata={"format": "pt"})
+  run = tmp_path / "nan"
+  assert cli.main(args(setup, run, 6, f"model.path={nan_model}")) == 1
+  err = capsys.readouterr().err
+  assert "steps 0-2: the loss or gradient norm was not finite 3 times in a row" in err, err
+  assert "could not save step 3 before stopping: not saving step 3" in err
+  records = read_metrics(str(run))
+  assert [r["nonfinite_skipped"] for r in records] == [1.0, 1.0, 1.0]
+  assert records[-1]["nonfinite_skipped_total"] == 3.0
+  assert not (run / "checkpoints").exists() or steps_of(run) == []  # never saved
+
+
+def test_export_refuses_nonfinite_parameters(setup, tmp_path, capsys):
+  import jax
+
+  from rft_jax.train.checkpoint import RunCheckpointer
+
+  run = tmp_path / "run"
+  assert cli.main(args(setup, run, 1)) == 0
+  checkpointer = RunCheckpointer(str(run / "checkpoints"))
+  from rft_jax.models import load_hf
+  from rft_jax.rl.learner import Learner
+  from rft_jax.train.config import load_config
+
+  cfg = load_config(str(run / "config.yaml"))
+  learner = Learner(load_hf(cfg.model.path), cfg.learner)
+  state, meta, _ = checkpointer.restore(learner.init(load_hf(cfg.model.path)))
+  poisoned = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+  import orbax.checkpoint as ocp  # bypass RunCheckpointer.save's refusal: an older or foreign checkpoint
+
+  checkpointer._manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(poisoned),
+                                                        meta=ocp.args.JsonSave(meta)))
+  checkpointer.close()
+  assert cli.main(["export", str(run), str(tmp_path / "hf")]) == 1
+  assert "step 2" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+# --- 4. one trainer per run directory -----------------------------------------------------------
+
+
+def test_a_second_trainer_is_refused_with_the_holders_pid(setup, tmp_path, capsys):
+  run = tmp_path / "run"
+  with RunDirLock(str(run)):
+    assert cli.main(args(setup, run, 1)) == 1
+  err = capsys.readouterr().err
+  assert f"{run} is in use by another trainer (process {os.getpid()} on" in err
+  assert not (run / "metrics.jsonl").exists()
+  (run / "trainer.lock").write_text("999999 on a-dead-host\n")  # a lock left by a killed trainer
+  assert cli.main(args(setup, run, 1)) == 0
+
+
+# --- 5. SIGTERM / SIGINT checkpoint the step and stop; a second signal exits at once -----------
+
+
+def test_sigterm_finishes_the_step_saves_and_the_run_resumes(setup, tmp_path, capsys):
+  run = tmp_path / "run"
+  proc = trainer(args(setup, run, 50))
+  wait_for_records(run, 1, proc)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  done = len(read_metrics(str(run)))
+  assert f"stopped by SIGTERM after step {done}" in err and steps_of(run) == [done]
+  assert cli.main(args(setup, run, done + 1)) == 0
+  assert f"resumed from step {done} of {run}" in capsys.readouterr().err
+  assert [r["step"] for r in read_metrics(str(run))] == list(range(done + 1))
+
+
+def test_a_second_signal_exits_at_once(setup, tmp_path):
+  run = tmp_path / "run"
+  proc = trainer(args(setup, run, 50))
+  wait_for_records(run, 1, proc)
+  proc.send_signal(signal.SIGINT)
+  while "received SIGINT" not in proc.stderr.readline():  # (two signals at once are one for Python)
+    pass
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGINT and "second signal (SIGINT): exiting now" in err, err
+
+
+# --- 6. the end of the data and a failing evaluation leave a checkpoint -------------------------
+
+
+def test_running_out_of_data_ends_with_a_checkpoint_and_a_message(setup, tmp_path, capsys):
+  run = tmp_path / "run"  # 6 training questions, 2 per step: one epoch is 3 steps
+  assert cli.main(args(setup, run, 10, "data.epochs=1")) == 0
+  assert "the training data ran out (data.epochs=1) before step 3" in capsys.readouterr().err
+  assert steps_of(run) == [3] and len(read_metrics(str(run))) == 3
+
+
+def test_an_evaluation_that_fails_leaves_a_checkpoint_of_the_steps_before_it(setup, tmp_path, monkeypatch):
+  from rft_jax.train import loop
+
+  def broken(run, state):
+    raise RuntimeError("evaluation set vanished")
+
+  monkeypatch.setattr(loop, "evaluate_problems", broken)
+  run = tmp_path / "run"
+  with pytest.raises(RuntimeError, match="vanished"):
+    cli.main(args(setup, run, 4, "eval.every=2"))
+  assert steps_of(run) == [2] and [r["step"] for r in read_metrics(str(run))] == [0, 1]
+
+
+# --- 7. a resume says what it resumed and refuses a config that changes the run -----------------
+
+
+def test_resume_refuses_config_changes_unless_allowed_and_keeps_the_old_config(setup, tmp_path, capsys):
+  run = tmp_path / "run"
+  assert cli.main(args(setup, run, 1)) == 0
+  original = (run / "config.yaml").read_text()
+  assert cli.main(args(setup, run, 2, "seed=3", "data.prompts_per_step=3")) == 1
+  err = capsys.readouterr().err
+  assert "seed: 0 -> 3" in err and "data.prompts_per_step: 2 -> 3" in err and "--allow-config-change" in err
+  assert (run / "config.yaml").read_text() == original and len(read_metrics(str(run))) == 1
+  assert cli.main([*args(setup, run, 2, "learner.lrr=1")]) == 2  # fails validation: config untouched
+  assert (run / "config.yaml").read_text() == original
+  assert cli.main([*args(setup, run, 2, "seed=3"), "--allow-config-change"]) == 0
+  assert f"resumed from step 1 of {run}" in capsys.readouterr().err
+  assert (run / "config.1.yaml").read_text() == original and "seed: 3" in (run / "config.yaml").read_text()
+  assert cli.main(args(setup, run, 3, "seed=3", "checkpoint_every=5")) == 0  # how long / how often: fine
+
+
+# --- 8. torn metrics and corrupt checkpoints ----------------------------------------------------
+
+
+def test_a_torn_metrics_line_is_dropped_with_a_warning(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+  with pytest.warns(UserWarning, match="line 3: dropped a torn last record"):
+    assert [r["step"] for r in read_metrics(str(path))] == [0, 1]
+  path.write_text('{"step": 0}\n{"st\n{"step": 2}\n')
+  with pytest.raises(ValueError, match="line 2: not a JSON record"):
+    read_metrics(str(path))
+
+
+def _data_files(step_dir):
+  return sorted((p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 0
+                 and "ocdbt.process" in str(p) and "/d/" in str(p)), key=lambda p: -p.stat().st_size)
+
+
+def test_corrupt_latest_checkpoints_fall_back_to_the_last_good_one(setup, tmp_path, capsys):
+  """Step 4's largest array file is cut in half, step 3's has 8 flipped bytes, step 2's arrays
+  no longer match their recorded checksum (as a flip the storage layer misses would): all three
+  are moved aside with a warning naming them, and the run resumes from step 1."""
+  run = tmp_path / "run"
+  assert cli.main(args(setup, run, 4, "checkpoint_every=1", "keep_checkpoints=4")) == 0
+  metrics = run / "metrics.jsonl"
+  metrics.write_text("".join(metrics.read_text().splitlines(True)[:3]) + '{"step": 3, "lo')  # torn
+  for step in (4, 3):
+    target = _data_files(run / "checkpoints" / str(step))[0]
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    if step == 4:
+      del data[middle:]
+    else:
+      data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    target.write_bytes(data)
+  meta = run / "checkpoints" / "2" / "meta" / "metadata"
+  record = json.loads(meta.read_text())
+  key = next(iter(record["checksums"]))
+  record["checksums"][key] ^= 1
+  meta.write_text(json.dumps(record))
+  with pytest.warns(UserWarning) as warned:
+    assert cli.main(args(setup, run, 4, "checkpoint_every=1", "keep_checkpoints=4")) == 0
+  messages = " ".join(str(w.message) for w in warned)
+  for step in (4, 3, 2):
+    assert f"checkpoint {run / 'checkpoints' / str(step)} (step {step})" in messages, messages
+    assert (run / "checkpoints.corrupt" / str(step)).is_dir()
+  assert "(step 2) fails its checksum in 1 array(s)" in messages
+  assert "dropped a torn last record" in messages and "resumed from step 1" in capsys.readouterr().err
+  assert steps_of(run) == [1, 2, 3, 4] and [r["step"] for r in read_metrics(str(run))] == [0, 1, 2, 3]
+
+
+def test_a_checksum_changes_with_one_flipped_bit_or_moved_values():
+  import jax.numpy as jnp
+
+  from rft_jax.train.checkpoint import state_checksums
+
+  a = np.arange(12, dtype=np.float32).reshape(3, 4)
+  flipped = a.copy()
+  flipped.view(np.uint32)[2, 1] ^= 1 << 7
+  b = jnp.ones((5,), jnp.bfloat16)
+  sums = state_checksums({"a": jnp.asarray(a), "b": b})
+  flipped_sums = state_checksums({"a": jnp.asarray(flipped), "b": b})
+  assert flipped_sums["['a']"] != sums["['a']"] and flipped_sums["['b']"] == sums["['b']"]
+  assert state_checksums({"a": jnp.asarray(a[::-1].copy()), "b": b})["['a']"] != sums["['a']"]  # moved
+
+
+# --- 10. TensorBoard holds every scalar of every checkpointed step ------------------------------
+
+
+def test_tensorboard_has_every_scalar_of_the_run(setup, tmp_path):
+  from tensorboardX.proto.event_pb2 import Event
+
+  run = tmp_path / "run"
+  assert cli.main(args(setup, run, 2, "checkpoint_every=1")) == 0
+  scalars = []
+  for f in (run / "tensorboard").iterdir():
+    data = f.read_bytes()
+    while data:  # TFRecord: length (8), its crc (4), the event, its crc (4)
+      n = int.from_bytes(data[:8], "little")
+      event = Event.FromString(data[12:12 + n])
+      scalars += [(event.step, v.tag) for v in event.summary.value]
+      data = data[16 + n:]
+  expected = [(r["step"], k) for r in read_metrics(str(run)) for k, v in r.items()
+              if k not in ("step", "time") and v is not None and np.isfinite(v)]
+  assert sorted(scalars) == sorted(expected)
