@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rft_jax.demo.paths import DEFAULT_CONFIG as DEMO_CONFIG  # os only: --help stays instant
+
 # Bounds the identities must meet in float64 (``rft-jax verify`` fails above them).
 VERIFY_TOLERANCES = {
     "lemma1": 1e-12,
@@ -38,6 +40,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+  if args.print_config or args.dry_run:
+    return _check_config(args)
   from rft_jax.parallel.multihost import initialize_from_env
   from rft_jax.train.config import load_config
   from rft_jax.train.loop import train
@@ -48,6 +52,31 @@ def _train(args: argparse.Namespace) -> int:
                   allow_config_change=args.allow_config_change)
   print(f"finished {cfg.steps} steps in {cfg.run_dir}: reward {metrics.get('reward_mean', float('nan')):.3f}, "
         f"entropy {metrics.get('entropy', float('nan')):.3f}")
+  return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+  """``train --print-config`` / ``--dry-run``: the effective config (YAML), and / or every check
+  that needs no model loaded (:func:`rft_jax.train.preflight.validate_for_training`); the run
+  directory is not touched."""
+  from rft_jax.train.config import load_config, to_yaml
+
+  # Printing alone shows an incomplete config too (model.path unset); a dry run needs all of it.
+  cfg = load_config(args.config, args.overrides, **({} if args.dry_run else {"required": ()}))
+  if args.print_config:
+    print(to_yaml(cfg), end="")
+  if args.dry_run:
+    import jax
+
+    from rft_jax.parallel.multihost import initialize_from_env
+    from rft_jax.train.preflight import data_parallel_devices, validate_for_training
+
+    initialize_from_env()  # the device count of the run: every host's
+    n_devices = jax.device_count()
+    validate_for_training(cfg, n_devices)
+    print(f"config OK: model {cfg.model.path}, data {cfg.data.train_path}, {n_devices} devices "
+          f"({data_parallel_devices(cfg, n_devices)} data-parallel), {cfg.steps} steps of "
+          f"{cfg.data.prompts_per_step} prompts x {cfg.sampling.n} samples into {cfg.run_dir}")
   return 0
 
 
@@ -125,6 +154,13 @@ def _eval(args: argparse.Namespace) -> int:
   return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+  from rft_jax.train.plots import plot_runs
+
+  print(plot_runs(args.run_dirs, args.out))
+  return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
   from rft_jax.demo.run import run_demo
 
@@ -155,8 +191,12 @@ def _sft(args: argparse.Namespace) -> int:
     if step % args.log_every == 0 or step == config.steps - 1:
       print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
 
+  from rft_jax.train.config import DataConfig
+
+  prompt = DataConfig(system_prompt=args.system_prompt, chat_template=args.chat_template,
+                      **({} if args.instruction is None else {"instruction": args.instruction}))
   sft_files(args.model, args.data, args.out, config, question_field=args.question_field,
-            response_field=args.response_field, log=log)
+            response_field=args.response_field, log=log, prompt=prompt)
   print(f"saved {args.out}")
   return 0
 
@@ -187,25 +227,53 @@ def _plan(args: argparse.Namespace) -> int:
   return 0 if report["fits"] else 1
 
 
-def _plot(args: argparse.Namespace) -> int:
-  from rft_jax.train.plots import plot_runs
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Option defaults shown (not an unset one's or a flag's), descriptions and epilogs as written."""
 
-  print(plot_runs(args.run_dirs, args.out))
-  return 0
+  def _get_help_string(self, action: argparse.Action) -> str:
+    if action.default is None or action.default is False:  # unset, or a flag
+      return action.help
+    return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """An ``argparse.ArgumentParser`` whose ``epilog`` may be a function, called only when the help
+  is shown (the list of config keys imports jax; ``rft-jax --help`` stays instant), and whose
+  help (its subcommands' too) uses :class:`HelpFormatter`."""
+
+  def __init__(self, *args, formatter_class: type = HelpFormatter, **kwargs):
+    super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+  def format_help(self) -> str:
+    if callable(self.epilog):
+      self.epilog = self.epilog()
+    return super().format_help()
+
+
+def _config_keys_epilog() -> str:
+  from rft_jax.train.config import format_config_keys
+
+  return ("config keys (YAML or dotted overrides key=value) and their defaults; relative paths are\n"
+          "read against the current directory:\n" + format_config_keys())
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="rft-jax", description=__doc__.splitlines()[0])
-  sub = parser.add_subparsers(dest="command", required=True)
+  parser = ArgumentParser(prog="rft-jax", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)  # subcommands: ArgumentParser too
 
   verify = sub.add_parser("verify", help="check Theorems 1-2 and Corollaries 1-3 numerically")
-  verify.add_argument("--seed", type=int, default=0)
+  verify.add_argument("--seed", type=int, default=0, help="random seed of the cases")
   verify.add_argument("--cases", type=int, default=256, help="random positions per kind")
   verify.add_argument("--vocab", type=int, default=64, help="vocabulary size")
   verify.set_defaults(func=_verify)
 
-  train = sub.add_parser("train", help="run (or resume) a training run")
+  train = sub.add_parser("train", help="run (or resume) a training run", epilog=_config_keys_epilog)
   train.add_argument("--config", help="YAML config (see configs/)")
+  train.add_argument("--print-config", action="store_true",
+                     help="print the effective config (YAML: defaults filled in, paths absolute) and exit")
+  train.add_argument("--dry-run", action="store_true",
+                     help="check the config, model directory, data and devices without loading the model "
+                          "or touching RUN_DIR, and exit (0: 'config OK')")
   train.add_argument("--no-resume", action="store_true",
                      help="start a new run (refused if RUN_DIR holds an earlier run's checkpoints or metrics)")
   train.add_argument("--overwrite", action="store_true",
@@ -216,25 +284,26 @@ def build_parser() -> argparse.ArgumentParser:
   train.set_defaults(func=_train)
 
   demo = sub.add_parser("demo", help="GRPO vs Clip_B vs Clip_V on the embedded synthetic task")
-  demo.add_argument("--config", default="configs/demo.yaml")
+  demo.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
+                                                           "read against the repository root")
   demo.add_argument("overrides", nargs="*", help="dotted overrides for all three runs, e.g. steps=10")
   demo.set_defaults(func=_demo)
 
   export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
-  export.add_argument("run_dir")
-  export.add_argument("out")
+  export.add_argument("run_dir", help="the run directory (with checkpoints/ and config.yaml)")
+  export.add_argument("out", help="HF directory to write")
   export.add_argument("--step", type=int, help="checkpoint step (default: latest)")
   export.set_defaults(func=_export)
 
   def sampling_args(p, k, temperature):
     p.add_argument("--model", required=True, help="HF model directory or a run directory")
     p.add_argument("--step", type=int, help="checkpoint step of a run directory (default: latest)")
-    p.add_argument("--data", required=True)
-    p.add_argument("--format", default="jsonl")
-    p.add_argument("--k", type=int, default=k)
-    p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", required=True, help="questions: a local file or save_to_disk directory")
+    p.add_argument("--format", default="jsonl", help="dapo_math_17k, aime_2024, aime_2025 or jsonl")
+    p.add_argument("--k", type=int, default=k, help="samples per question")
+    p.add_argument("--temperature", type=float, default=temperature, help="sampling temperature")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer, in tokens")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--instruction", help="appended to every question (default: the run's data.instruction, "
                                          "or the training default for an HF directory; '' for none)")
     p.add_argument("--system-prompt", help="system message (default: the run's data.system_prompt)")
@@ -246,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   filt = sub.add_parser("filter", help="drop questions with pass rate <= 1/16 or >= 15/16")
   sampling_args(filt, 16, 1.0)
-  filt.add_argument("--low", type=float, default=1 / 16)
-  filt.add_argument("--high", type=float, default=15 / 16)
+  filt.add_argument("--low", type=float, default=1 / 16, help="drop pass rates at or below this")
+  filt.add_argument("--high", type=float, default=15 / 16, help="drop pass rates at or above this")
   filt.add_argument("--out", required=True, help="directory for kept.jsonl and pass_rates.jsonl")
   filt.set_defaults(func=_filter)
 
@@ -255,15 +324,20 @@ def build_parser() -> argparse.ArgumentParser:
   sft_parser.add_argument("--model", required=True, help="HF model directory to start from")
   sft_parser.add_argument("--data", required=True, help="JSONL/parquet of question/response rows")
   sft_parser.add_argument("--out", required=True, help="HF directory to write")
-  sft_parser.add_argument("--question-field", default="question")
-  sft_parser.add_argument("--response-field", default="response")
-  sft_parser.add_argument("--steps", type=int, default=1000)
-  sft_parser.add_argument("--batch-size", type=int, default=64)
-  sft_parser.add_argument("--lr", type=float, default=3e-3)
-  sft_parser.add_argument("--warmup-steps", type=int, default=50)
-  sft_parser.add_argument("--max-len", type=int, default=96)
-  sft_parser.add_argument("--seed", type=int, default=0)
-  sft_parser.add_argument("--log-every", type=int, default=100)
+  sft_parser.add_argument("--question-field", default="question", help="column of the questions")
+  sft_parser.add_argument("--response-field", default="response", help="column of the target responses")
+  sft_parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+  sft_parser.add_argument("--batch-size", type=int, default=64, help="pairs per step")
+  sft_parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+  sft_parser.add_argument("--warmup-steps", type=int, default=50, help="linear warm-up steps")
+  sft_parser.add_argument("--max-len", type=int, default=96, help="longest pair, in tokens")
+  sft_parser.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
+  sft_parser.add_argument("--instruction", help="appended to every question, as data.instruction of a "
+                                                "training run (default: the training default; '' for none)")
+  sft_parser.add_argument("--system-prompt", help="system message, as data.system_prompt")
+  sft_parser.add_argument("--chat-template", default="auto", choices=("auto", "chat", "none"),
+                          help="as data.chat_template: the tokenizer's template, or plain text")
+  sft_parser.add_argument("--log-every", type=int, default=100, help="print the loss every this many steps")
   sft_parser.set_defaults(func=_sft)
 
   plan = sub.add_parser("plan", help="compile a config's learner step and sampler for a device "
@@ -277,9 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
   plan.set_defaults(func=_plan)
 
   plot = sub.add_parser("plot", help="draw the paper's figures for runs side by side")
-  plot.add_argument("run_dirs", nargs="+")
-  plot.add_argument("--out", default="runs/plots.png")
+  plot.add_argument("run_dirs", nargs="+", help="run directories (with metrics.jsonl); one colour each")
+  plot.add_argument("--out", help="PNG to write (default: plots.png in the first run directory)")
   plot.set_defaults(func=_plot)
+  for command in (train, demo):
+    loudness = command.add_mutually_exclusive_group()
+    loudness.add_argument("--quiet", action="count", default=0, help="status lines: warnings only")
+    loudness.add_argument("--verbose", action="count", default=0, help="status lines: debug too")
   return parser
 
 
@@ -292,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides, extra = [*args.overrides, *extra], []
   if extra:
     parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  from rft_jax.train.status import configure_logging
+
+  configure_logging(getattr(args, "verbose", 0) - getattr(args, "quiet", 0))
   try:
     return args.func(args)
   except Exception as exc:  # bad input: one clear line, not a traceback

@@ -8,6 +8,7 @@ from flax import nnx
 
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.parallel import make_mesh, shard_model
+from rft_jax.rl.batching import first_response_column
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner, LearnerBatch
 
@@ -323,3 +324,37 @@ def test_kl_to_reference_and_warmup_cosine_schedule():
   learner2.reference = None  # neither reference parameters nor batch.ref_logp
   with pytest.raises(ValueError, match="kl_coef > 0 needs reference log-probs"):
     learner2.step(state2, batch.replace(ref_logp=None))
+
+
+def test_first_response_column_is_the_first_completion_column_rounded_down():
+  response = np.zeros((3, 80))
+  response[0, 40:70] = response[1, 37:50] = 1
+  assert first_response_column(response) == 32
+  assert first_response_column(response, multiple=1) == 37
+  assert first_response_column(np.zeros((3, 80))) == 0
+
+
+@pytest.mark.parametrize("micro,loss_agg", [(16, "token-mean"), (4, "token-mean"),
+                                            (4, "seq-mean-token-sum-norm")])  # 16: the single-pass step
+def test_completion_only_statistics_equal_full_width(tiny, micro, loss_agg):
+  """Statistics, log p, loss and update from the first completion column (4) on, as Learner.step
+  computes them, equal those of every position on completion tokens (to float32 rounding);
+  Dr.GRPO's constant length stays the full width."""
+  batch = tiny[2]
+  cfg = config(micro_batch_size=micro, max_grad_norm=None, forecast_every=0, loss_agg=loss_agg,
+               entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5))
+  learner = Learner(fresh_model(tiny), cfg)
+  params = learner.init(fresh_model(tiny)).params
+  full = jax.jit(learner.batch_stats)(params, batch)
+  completion = jax.jit(learner.batch_stats, static_argnums=2)(params, batch, PROMPT)
+  for name, a, b in zip(full._fields, completion, full):
+    assert a.shape == (16, COMPLETION), name
+    np.testing.assert_allclose(a, b[:, PROMPT - 1:], rtol=1e-5, atol=1e-6, err_msg=name)
+  step = jax.jit(learner._train_step_fn, static_argnums=3)
+  results = [step(learner.init(fresh_model(tiny)), batch, None, column) for column in (0, PROMPT)]
+  (s1, m1), (s2, m2) = results
+  assert float(m1["mask_frac"]) > 0
+  for key in m1:
+    assert float(m1[key]) == pytest.approx(float(m2[key]), rel=1e-5, abs=1e-7), key
+  for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5)

@@ -170,3 +170,15 @@ def test_confident_positions_stay_exact_under_jit(temperature, chunk_size):
   np.testing.assert_allclose(got.s_star[confident], s_star[confident], rtol=2e-5, atol=0)
   np.testing.assert_allclose(got.entropy, h, rtol=2e-5, atol=0)
   np.testing.assert_allclose(got.logp, log_p_k, rtol=2e-5, atol=1e-6)
+
+
+def test_one_chunk_is_not_rematerialised():
+  """jax.checkpoint only where there are several chunks: a single chunk keeps its logits."""
+  hidden, w, tokens = random_case()  # 21 positions
+
+  def traced(chunk_size):
+    loss = lambda h: jnp.sum(E.token_stats(h, tokens, unembedding=w, chunk_size=chunk_size).logp)
+    return str(jax.make_jaxpr(jax.grad(loss))(hidden))
+
+  assert "remat" not in traced(21) and "remat" not in traced(None)
+  assert "remat" in traced(5)

@@ -65,6 +65,7 @@ def test_shipped_configs_load_once_paths_are_set(path):
 
 def test_demo_config_loads_and_its_batches_split_on_eight_devices():
   cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml"))
-  assert cfg.model.path == "rft_jax/demo/checkpoint" and cfg.data.instruction == ""
+  assert cfg.model.path.endswith(os.path.join("rft_jax", "demo", "checkpoint")) and cfg.data.instruction == ""
+  assert os.path.isabs(cfg.model.path)  # resolved against the current directory when loaded
   assert (cfg.data.prompts_per_step * cfg.sampling.n) % (cfg.learner.micro_batch_size * cfg.learner.mini_batches) == 0
   assert cfg.learner.micro_batch_size % 8 == 0

@@ -32,17 +32,19 @@ class MathExample:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetFormat:
-  """Where a format keeps the question and the answer (dotted paths into a row)."""
+  """Where a format keeps the question and the answer (dotted paths into a row; ``answer``
+  may list alternatives, the first column present is used)."""
 
   question: str
-  answer: str
+  answer: str | tuple[str, ...]
   id: str | None = None
 
 
-# Published formats. DAPO-Math-17k in its processed form (one question / one solution
-# column), AIME 2024 (problem / answer, integer answers), AIME 2025 (same layout).
+# Published formats. DAPO-Math-17k as released (chat-list ``prompt``, ``reward_model.ground_truth``)
+# or in its processed form (one question / one solution column), AIME 2024 (problem / answer,
+# integer answers), AIME 2025 (same layout).
 FORMATS: dict[str, DatasetFormat] = {
-    "dapo_math_17k": DatasetFormat(question="prompt", answer="solution"),
+    "dapo_math_17k": DatasetFormat(question="prompt", answer=("solution", "reward_model.ground_truth")),
     "aime_2024": DatasetFormat(question="problem", answer="answer", id="id"),
     "aime_2025": DatasetFormat(question="problem", answer="answer"),
     "jsonl": DatasetFormat(question="question", answer="answer"),
@@ -193,8 +195,10 @@ def load_math_dataset(
   if on_bad_row not in ("error", "skip"):
     raise DatasetError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
   spec = FORMATS[format]
-  fields = {"question": question_field or spec.question, "answer": answer_field or spec.answer}
   data = _read(path)
+  answers = (spec.answer,) if isinstance(spec.answer, str) else spec.answer
+  default_answer = next((a for a in answers if a.split(".")[0] in data.column_names), answers[0])
+  fields = {"question": question_field or spec.question, "answer": answer_field or default_answer}
   for (name, column), setting in zip(fields.items(), field_settings):
     if column.split(".")[0] not in data.column_names:
       raise DatasetError(f"{path}: no column '{column.split('.')[0]}' for the {name} "

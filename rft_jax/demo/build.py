@@ -24,6 +24,7 @@ from flax import nnx
 from rft_jax.demo.task import SFT_SEED, addition_problems, heldout_problems, worked_answer
 from rft_jax.demo.tokenizer import build_char_tokenizer
 from rft_jax.models import Qwen, QwenConfig, save_hf
+from rft_jax.train.config import DataConfig
 from rft_jax.train.sft import SFTConfig, sft_files
 
 
@@ -57,13 +58,14 @@ def build(out: str, *, steps: int, problems: int, max_digits: int, slip_rate: fl
         print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
 
     config = SFTConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=50, max_len=64)
-    sft_files(init, pairs, out, config, log=log)
+    sft_files(init, pairs, out, config, log=log, prompt=DataConfig(instruction=""))  # as configs/demo.yaml
   print(f"saved {out}")
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="rft_jax/demo/checkpoint")
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint"),
+                      help="HF directory to write (default: the package's rft_jax/demo/checkpoint)")
   parser.add_argument("--steps", type=int, default=2400)
   parser.add_argument("--problems", type=int, default=8000, help="distinct problems, none of them held out")
   parser.add_argument("--max-digits", type=int, default=2)

@@ -5,7 +5,9 @@ variants from the same checkpoint and seed, prints a table (held-out Avg@K and p
 on the held-out answers before and after training, Pass@K, training accuracy over the first
 and last quarter of the steps, mask fractions, and the correlation over the steps of the
 Corollary 4 forecast of the entropy change with the measured one) and draws the
-paper-style plots of the three runs into ``RUN_DIR/demo.png``.
+paper-style plots of the three runs into ``RUN_DIR/demo.png``. It runs from any directory
+(:mod:`rft_jax.demo.paths`): the default config is the repository's ``configs/demo.yaml``,
+and the runs, their data and the compilation cache go under ``RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from rft_jax.demo.paths import load_demo_config
 from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_problems, write_problems
-from rft_jax.train.config import load_config
 from rft_jax.train.loop import build_run, train
 from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.plots import forecast_correlation, plot_runs
@@ -50,8 +52,8 @@ def build_demo_run(root: str, overrides: Sequence[str] = ()):
     ``(config, run, state)`` as :func:`rft_jax.train.loop.build_run` gives them.
   """
   train_path, _ = write_demo_data(os.path.join(root, "data"))
-  cfg = load_config("configs/demo.yaml", [f"run_dir={root}", f"data.train_path={train_path}", "eval.every=0",
-                                          "progress=false", *overrides])
+  cfg = load_demo_config(None, [f"run_dir={root}", f"data.train_path={train_path}", "eval.every=0",
+                                "progress=false", *overrides])
   return (cfg, *build_run(cfg))
 
 
@@ -78,17 +80,22 @@ def _summary(run_dir: str) -> dict[str, float]:
   }
 
 
-def run_demo(config_path: str = "configs/demo.yaml", overrides: Sequence[str] = (),
+def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
              variants: Sequence[str] = tuple(VARIANTS)) -> dict[str, dict[str, float]]:
-  """Runs the variants and returns their summaries (also printed and plotted)."""
-  base = load_config(config_path, list(overrides))
+  """Runs the variants and returns their summaries (also printed and plotted).
+
+  ``config_path``: default the repository's ``configs/demo.yaml``
+  (:func:`rft_jax.demo.paths.load_demo_config` says how its paths are read).
+  """
+  base = load_demo_config(config_path, list(overrides))
   data_dir = os.path.join(base.run_dir, "data")
   train_path, heldout_path = write_demo_data(data_dir)
   start = time.time()
   summaries = {}
   for name in variants:
-    cfg = load_config(config_path, [*overrides, *VARIANTS[name], f"run_dir={os.path.join(base.run_dir, name)}",
-                                    f"data.train_path={train_path}"])
+    cfg = load_demo_config(config_path, [*overrides, *VARIANTS[name], f"run_dir={os.path.join(base.run_dir, name)}",
+                                         f"data.train_path={train_path}"])
+    cfg.compilation_cache_dir = base.compilation_cache_dir  # one cache for the variants
     cfg.eval.sets = [dataclasses.replace(s, path=heldout_path) for s in cfg.eval.sets]
     train(cfg, resume=False)
     summaries[name] = _summary(cfg.run_dir)

@@ -8,8 +8,10 @@ full ``[positions, V]`` float32 logits do not fit (151,936 entries are 0.6 MB pe
 token), so :func:`token_stats` walks over positions in chunks of ``chunk_size``:
 each chunk's logits are formed (optionally from hidden states and the unembedding
 matrix), scaled by the sampling temperature, reduced to four numbers per position
-and dropped. Every chunk is rematerialised in the backward pass, so training memory
-is :math:`O(\text{chunk} \times V)` as well.
+and dropped. When there are several chunks, each is rematerialised in the backward
+pass, so training memory is :math:`O(\text{chunk} \times V)` as well; when all
+positions fit in one chunk nothing is rematerialised (the backward pass keeps that
+one chunk's logits instead of recomputing them).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def token_stats(
   flat_x = inputs.reshape(-1, inputs.shape[-1])
   flat_t = tokens.reshape(-1)
   if chunk_size is None or flat_t.shape[0] <= chunk_size:
+    # One chunk: no jax.checkpoint, which would only recompute the same [positions, V] block.
     stats = jax.vmap(position_stats)(flat_x, flat_t)
   else:
     # lax.map scans over chunks (vmapping inside each, remainder included); the

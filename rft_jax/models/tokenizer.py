@@ -59,3 +59,28 @@ def chat_token_ids(tokenizer: Any, question: str, system: str | None = None,
   """Token ids of :func:`apply_chat_template` (no extra special tokens added)."""
   text = apply_chat_template(tokenizer, question, system, **template_kwargs)
   return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# How a question becomes a prompt (``data.chat_template``).
+CHAT_TEMPLATE_MODES = ("auto", "chat", "none")
+
+
+def prompt_token_ids(tokenizer: Any, question: str, system: str | None = None,
+                     chat_template: str = "auto", **template_kwargs) -> list[int]:
+  """Token ids of a question's prompt.
+
+  ``chat_template``: ``chat`` applies the tokenizer's chat template (:func:`chat_token_ids`;
+  an error naming the setting if it has none), ``none`` uses the plain text (the system
+  message, a blank line, then the question; the tokenizer's own special tokens such as a BOS
+  added), ``auto`` the template when the tokenizer has one, else the plain text.
+  """
+  if chat_template not in CHAT_TEMPLATE_MODES:
+    raise ValueError(f"data.chat_template={chat_template!r} is not one of {list(CHAT_TEMPLATE_MODES)}")
+  has_template = bool(getattr(tokenizer, "chat_template", None))
+  if chat_template == "chat" and not has_template:
+    raise CheckpointError(f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')}: no chat template; set "
+                          f"data.chat_template=none (or auto) for plain-text prompts")
+  if chat_template == "chat" or (chat_template == "auto" and has_template):
+    return chat_token_ids(tokenizer, question, system, **template_kwargs)
+  text = question if system is None else f"{system}\n\n{question}"
+  return list(tokenizer(text, add_special_tokens=True)["input_ids"])

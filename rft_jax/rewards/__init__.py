@@ -6,6 +6,8 @@ per-check time limit), ``pool`` (worker processes that are killed on timeout),
 ``score`` (``score_batch``). Nothing here imports the rest of the project.
 """
 
+from rft_jax.rewards.extract import EXTRACTORS
+from rft_jax.rewards.extract import last_answer_line
 from rft_jax.rewards.extract import last_boxed
 from rft_jax.rewards.extract import last_unboxed_answer
 from rft_jax.rewards.pool import OVER_BUDGET
@@ -29,6 +31,7 @@ from rft_jax.rewards.verify import make_pool
 from rft_jax.rewards.verify import normalize_answer
 
 __all__ = [
+    "EXTRACTORS",
     "OVER_BUDGET",
     "Outcome",
     "RewardConfig",
@@ -44,6 +47,7 @@ __all__ = [
     "dapo_overlong_penalty",
     "default_pool",
     "is_equivalent",
+    "last_answer_line",
     "last_boxed",
     "last_unboxed_answer",
     "make_pool",

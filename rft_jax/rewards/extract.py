@@ -6,6 +6,10 @@ There is deliberately no fallback to the whole text: a grader that compares the
 full completion when no box is found rewards a model for listing many candidates.
 A completion without a well-formed final box has no answer (``None``).
 
+:func:`last_answer_line` reads DAPO-Math-17k's own format instead: its prompts ask for a
+final line ``Answer: X``. :data:`EXTRACTORS` names the choices of ``rewards.extractor``;
+``answer_line_or_boxed`` takes whichever of the two comes last in the text.
+
 :func:`last_unboxed_answer` is a separate, weaker extractor used only to detect
 "correct but not in the required format" (see ``schemes.paper_appendix_b``); it is
 never used to award a positive reward.
@@ -21,6 +25,8 @@ _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 # ``\boxed 42``: after whitespace, one token: a run without whitespace, ``$``, braces.
 _BOX_TOKEN = re.compile(r"\s+([^\s${}]+)")
 
+# ``Answer: X`` at the start of a line (markdown emphasis allowed: ``**Answer:** X``).
+_ANSWER_LINE = re.compile(r"^[ \t*_#>]*answer[ \t*_]*:[ \t*_]*(.*)$", re.IGNORECASE | re.MULTILINE)
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
@@ -71,6 +77,38 @@ def last_boxed(text: str) -> Optional[str]:
     return _braced(text, end + len(rest) - len(stripped))
   token = _BOX_TOKEN.match(rest)
   return token.group(1) if token else None
+
+
+def last_answer_line(text: str) -> Optional[str]:
+  r"""``X`` of the last line ``Answer: X`` (DAPO-Math-17k's requested format), or None.
+
+  The line must start with ``Answer:`` (any case; markdown marks such as ``**Answer:**``
+  allowed); ``X`` is the rest of that line with surrounding ``$`` and a final period
+  removed: ``Answer: $\frac{1}{2}$.`` -> ``\frac{1}{2}``. A line ``Answer:`` with nothing
+  after it gives None, as does text without such a line (never the whole text).
+  """
+  matches = list(_ANSWER_LINE.finditer(text))
+  if not matches:
+    return None
+  answer = matches[-1].group(1).strip().rstrip(".").strip().strip("$").strip()
+  return answer or None
+
+
+def _last_of(text: str, extractors) -> Optional[str]:
+  """The answer of whichever extractor's marker starts last in ``text``."""
+  marks = [(m.start(), extract) for extract, pattern in extractors
+           for m in list(pattern.finditer(text))[-1:]]
+  return max(marks, key=lambda m: m[0])[1](text) if marks else None
+
+
+def answer_line_or_boxed(text: str) -> Optional[str]:
+  """:func:`last_boxed` or :func:`last_answer_line`, whichever marker comes last in ``text``."""
+  return _last_of(text, ((last_boxed, _BOX), (last_answer_line, _ANSWER_LINE)))
+
+
+# The final-answer extractors ``rewards.extractor`` names.
+EXTRACTORS = {"boxed": last_boxed, "answer_line": last_answer_line,
+              "answer_line_or_boxed": answer_line_or_boxed}
 
 
 def last_unboxed_answer(text: str) -> Optional[str]:

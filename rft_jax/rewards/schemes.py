@@ -38,6 +38,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from rft_jax.rewards.extract import EXTRACTORS
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardScheme:
@@ -119,6 +121,16 @@ class RewardConfig:
       ``timeouts`` and ``over_budget``) instead of each waiting its own ``timeout_s``.
       Default 60 s: a normal batch of ~1000 answers is judged in a few seconds, while 128
       hanging answers at 5 s each on 4 workers would take 160 s.
+    extractor: where a completion's final answer is (``extract.EXTRACTORS``): ``boxed`` (the
+      last ``\\boxed{}``), ``answer_line`` (the last line ``Answer: X``, DAPO-Math-17k's own
+      format), ``answer_line_or_boxed`` (whichever comes last), or ``auto``: a training run
+      picks ``answer_line_or_boxed`` when its questions ask for an ``Answer:`` line (the
+      ``dapo_math_17k`` rows do), else ``boxed``; elsewhere ``auto`` is ``boxed``.
+    functions: the user's own reward functions, ``"package.module:function"``
+      (:mod:`rft_jax.rewards.user_functions`); when set, the reward is their
+      ``function_weights``-weighted sum (plus the over-long penalty if on) instead of
+      ``scheme``, and ``correct`` means a positive reward. ``function_per_sample``: call
+      each per completion instead of once per batch.
   """
 
   scheme: str = "binary"
@@ -129,10 +141,22 @@ class RewardConfig:
   overlong_cache_len: int = 4096
   memory_limit_mb: Optional[int] = 4096
   step_time_limit_s: Optional[float] = 60.0
+  extractor: str = "auto"
+  functions: list[str] = dataclasses.field(default_factory=list)
+  function_weights: list[float] = dataclasses.field(default_factory=list)
+  function_per_sample: bool = False
 
   def __post_init__(self):
+    if self.function_weights and len(self.function_weights) != len(self.functions):
+      raise ValueError(f"rewards.function_weights has {len(self.function_weights)} weights for "
+                       f"{len(self.functions)} rewards.functions")
+    for name in self.functions:
+      if ":" not in name:
+        raise ValueError(f"rewards.functions: {name!r} is not of the form 'package.module:function'")
     if self.scheme not in SCHEMES:
       raise ValueError(f"rewards.scheme={self.scheme!r} is not one of {sorted(SCHEMES)}")
+    if self.extractor not in ("auto", *EXTRACTORS):
+      raise ValueError(f"rewards.extractor={self.extractor!r} is not one of {['auto', *EXTRACTORS]}")
     if not _is_number(self.timeout_s) or not self.timeout_s > 0:
       raise ValueError(f"rewards.timeout_s must be a number > 0, got {self.timeout_s!r}")
     if not _is_int(self.num_workers) or self.num_workers < 1:

@@ -25,9 +25,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rft_jax.rewards.extract import last_boxed, last_unboxed_answer
+from rft_jax.rewards.extract import EXTRACTORS, last_unboxed_answer
 from rft_jax.rewards.pool import TimeLimitedPool
 from rft_jax.rewards.schemes import SCHEMES, RewardConfig, dapo_overlong_penalty
+from rft_jax.rewards.user_functions import function_rewards
 from rft_jax.rewards.verify import Verdict, check_within_budget, default_pool
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ class RewardResult:
 
   Attributes:
     reward: float32 ``[B]``, scheme plus optional over-long penalty.
-    correct: bool ``[B]``, boxed answer equivalent to the ground truth.
-    formatted: bool ``[B]``, a well-formed final ``\\boxed{}`` exists.
+    correct: bool ``[B]``, the final answer (``rewards.extractor``: by default the last
+      ``\\boxed{}``) is equivalent to the ground truth.
+    formatted: bool ``[B]``, a well-formed final answer exists.
     unformatted_correct: bool ``[B]``, no box but the last math span / number is
       right (computed only for schemes that use it; False otherwise).
     truncated: bool ``[B]``, ``finish_reason == 'length'``.
@@ -86,6 +88,7 @@ def score_batch(
     config: RewardConfig,
     *,
     pool: Optional[TimeLimitedPool] = None,
+    rows: Optional[Sequence[dict]] = None,
 ) -> RewardResult:
   """Rewards of ``completions`` against ground-truth ``answers``.
 
@@ -97,24 +100,30 @@ def score_batch(
     lengths: response lengths in tokens (for the over-long penalty).
     config: the :class:`RewardConfig`.
     pool: the verifier pool; default: the process-wide one of ``config``'s settings.
+    rows: the completions' dataset rows (dicts), passed to ``config.functions``; default:
+      ``{"answer": answer}`` each.
   """
   n = len(completions)
   for name, seq in (("answers", answers), ("finish_reasons", finish_reasons), ("lengths", lengths)):
     if len(seq) != n:
       raise ValueError(f"score_batch: len({name})={len(seq)} != len(completions)={n}")
+  truncated = np.array([r == TRUNCATED_FINISH_REASON for r in finish_reasons], bool)
+  if config.functions:
+    return _score_with_functions(completions, answers, rows, lengths, truncated, config, pool)
   scheme = SCHEMES[config.scheme]
-  boxed = [last_boxed(text) for text in completions]
-  formatted = np.array([b is not None for b in boxed], bool)
+  extract = EXTRACTORS["boxed" if config.extractor == "auto" else config.extractor]
+  final = [extract(text) for text in completions]  # the answer in the required format
+  formatted = np.array([f is not None for f in final], bool)
 
   # One check per completion: its box, else (if the scheme needs it) its last answer.
   pairs, owners, is_boxed = [], [], []
   for i, (text, answer) in enumerate(zip(completions, answers)):
-    candidate = boxed[i] if boxed[i] is not None else (
+    candidate = final[i] if final[i] is not None else (
         last_unboxed_answer(text) if scheme.uses_unformatted else None)
     if candidate is not None:
       pairs.append((candidate, answer))
       owners.append(i)
-      is_boxed.append(boxed[i] is not None)
+      is_boxed.append(final[i] is not None)
   if pairs and pool is None:
     pool = default_pool(config.num_workers, memory_limit_mb=config.memory_limit_mb)
   verdicts, over_budget = check_within_budget(
@@ -132,11 +141,9 @@ def score_batch(
     (correct if in_box else unformatted_correct)[i] = verdict is Verdict.CORRECT
     timed_out[i] = verdict is Verdict.TIMEOUT
     errors += verdict is Verdict.ERROR
-  truncated = np.array([r == TRUNCATED_FINISH_REASON for r in finish_reasons], bool)
 
-  reward = scheme.fn(correct, formatted, unformatted_correct, truncated).astype(np.float32)
-  if config.overlong_shaping:
-    reward = reward + dapo_overlong_penalty(lengths, config.overlong_max_len, config.overlong_cache_len)
+  reward = _with_overlong_penalty(scheme.fn(correct, formatted, unformatted_correct, truncated),
+                                  lengths, config)
   return RewardResult(
       reward=reward.astype(np.float32),
       correct=correct,
@@ -148,3 +155,28 @@ def score_batch(
       errors=int(errors),
       over_budget=int(over_budget),
   )
+
+
+def _with_overlong_penalty(reward: np.ndarray, lengths: Sequence[int], config: RewardConfig) -> np.ndarray:
+  if config.overlong_shaping:
+    reward = reward + dapo_overlong_penalty(lengths, config.overlong_max_len, config.overlong_cache_len)
+  return reward.astype(np.float32)
+
+
+def _score_with_functions(completions, answers, rows, lengths, truncated, config: RewardConfig,
+                          pool: Optional[TimeLimitedPool]) -> RewardResult:
+  """The user's reward functions (``config.functions``) in the verifier's worker processes."""
+  if pool is None:
+    pool = default_pool(config.num_workers, memory_limit_mb=config.memory_limit_mb)
+  rows = [{"answer": a} for a in answers] if rows is None else list(rows)
+  reward, timed_out, errors, over_budget = function_rewards(
+      config.functions, config.function_weights, config.function_per_sample, completions, answers,
+      rows, pool=pool, timeout_s=config.timeout_s, budget_s=config.step_time_limit_s)
+  if errors or timed_out.any():
+    logger.warning("rewards: %d completions' user reward failed and %d timed out; they score 0",
+                   errors, int(timed_out.sum()))
+  reward = _with_overlong_penalty(reward, lengths, config)
+  none = np.zeros(len(completions), bool)
+  return RewardResult(reward=reward, correct=reward > 0, formatted=none, unformatted_correct=none,
+                      truncated=truncated, timed_out=timed_out, timeouts=int(timed_out.sum()),
+                      errors=int(errors), over_budget=int(over_budget))

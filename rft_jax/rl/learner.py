@@ -29,6 +29,12 @@ step 1 are the stop-gradient of the forward the gradient is taken through.
 
 Batches are split into micro-batches by striding rows (micro-batch ``i`` holds rows
 ``i, i + n, ...``) so that each micro-batch stays spread over the data-parallel devices.
+
+Statistics and log-probs are computed only from the batch's first completion column on
+(:func:`first_response_column`, a static argument of the compiled step found on the host): the
+prompt positions still run through the decoder (the completion attends to them), but not through
+the unembedding and ``token_stats``. Every ``[B, L-1]`` per-token array of the step is then
+``[B, L-1-p]`` with ``p = max(column - 1, 0)`` (position ``t`` predicts token ``t + 1``).
 """
 
 from __future__ import annotations
@@ -45,10 +51,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rft_jax.entropy import batch_entropy_change, masked_mean, token_stats
 from rft_jax.parallel import global_array, host_array, with_shardings
 from rft_jax.rl import reference as ref_lib
+from rft_jax.rl.batching import (
+    first_response_column,
+    first_stats_position,
+    merge_counts,
+    merge_rows,
+    split_rows,
+)
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.entropy_mask import entropy_keep_mask
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
 from rft_jax.rl.nonfinite import keep_if_finite
+from rft_jax.rl.optimizer import make_optimizer
 
 
 @flax.struct.dataclass
@@ -83,35 +97,6 @@ class TrainState:
   step: jax.Array  # train steps (batches) applied; a step skipped as non-finite does not count
 
 
-def split_rows(x: jax.Array, n: int) -> jax.Array:
-  """``[B, ...] -> [n, B // n, ...]``, part ``i`` holding rows ``i, i + n, ...``."""
-  return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
-
-
-def merge_rows(x: jax.Array) -> jax.Array:
-  """Inverse of :func:`split_rows`."""
-  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
-
-
-def merge_counts(a: dict, b: dict) -> dict:
-  """Combines per-update clip counts: sums, except ``ratio_dev_max`` (a maximum)."""
-  return {k: jnp.maximum(a[k], v) if k == "ratio_dev_max" else a[k] + v for k, v in b.items()}
-
-
-def make_optimizer(config: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW (betas b1, b2, epsilon, decoupled weight decay) with optional global-norm clipping."""
-  if config.schedule == "constant":
-    schedule = optax.constant_schedule(config.lr)
-  else:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.lr, max(config.warmup_steps, 1), max(config.total_steps, config.warmup_steps + 1))
-  adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.adam_eps,
-                      weight_decay=config.weight_decay)
-  if config.max_grad_norm is None:
-    return adamw, schedule
-  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw), schedule
-
-
 class Learner:
   """Compiles and runs the GRPO train step for one model architecture and config.
 
@@ -140,7 +125,7 @@ class Learner:
     self._reference_source = reference
     self.reference = None  # frozen reference parameters, set by init() when kl_coef > 0
     self._train_step = None  # compiled on the first step, with the state's shardings
-    self._mean_entropy = jax.jit(self._mean_entropy_fn)
+    self._mean_entropy = jax.jit(self._mean_entropy_fn, static_argnums=2)
 
   # ---------------------------------------------------------------------------------------
   # State.
@@ -229,11 +214,14 @@ class Learner:
     spec = PartitionSpec(None, self.data_axis) if x.ndim >= 2 else PartitionSpec(self.data_axis)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def _token_stats(self, params, input_ids, attention_mask, entropy_grad=False):
-    """Stats of every next-token position ``[b, L-1]`` (position t predicts token t+1)."""
+  def _token_stats(self, params, input_ids, attention_mask, entropy_grad=False, first_position=0):
+    """Stats of the next-token positions ``first_position .. L-2``, ``[b, L-1-first_position]``
+    (position t predicts token t+1). The decoder runs over all ``L`` tokens; only the hidden
+    states of those positions go through the unembedding."""
     model = nnx.merge(self.graphdef, params, self._rest)
     hidden = model(input_ids, attention_mask, return_hidden=True, mesh=self.mesh)
-    return token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
+    return token_stats(hidden[:, first_position:-1], input_ids[:, first_position + 1:],
+                       unembedding=model.unembedding(),
                        temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
                        entropy_grad=entropy_grad)
 
@@ -243,12 +231,21 @@ class Learner:
                        f"learner.micro_batch_size={self.config.micro_batch_size}")
     return batch_size // self.config.micro_batch_size
 
-  def batch_stats(self, params, batch: LearnerBatch):
-    """``token_stats`` of every next-token position of ``batch`` (``[B, L-1]``), micro-batch by micro-batch."""
+  def batch_stats(self, params, batch: LearnerBatch, stats_from_column: int = 0):
+    """``token_stats`` of ``batch``'s next-token positions predicting the tokens of columns
+    ``max(stats_from_column, 1) ..`` (``[B, L-1-p]``, ``p = first_stats_position(stats_from_column)``;
+    ``[B, L-1]`` by default), micro-batch by micro-batch."""
     n = self._micro_batches(batch.input_ids.shape[0])
     ids, attn = (self._shard_batch(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
-    stats = jax.lax.map(lambda xs: self._token_stats(params, *xs), (ids, attn))
+    first_position = first_stats_position(stats_from_column)
+    stats = jax.lax.map(lambda xs: self._token_stats(params, *xs, first_position=first_position), (ids, attn))
     return jax.tree.map(merge_rows, stats)
+
+  def _loss_normaliser(self, loss_mask, input_ids):
+    """``loss_normaliser`` of a (mini-)batch's ``[b, L-1-p]`` loss mask. Dr.GRPO's constant length
+    defaults to the full next-token width ``L - 1`` of ``input_ids`` (``[b, L]``), whichever
+    first position the statistics start from."""
+    return loss_normaliser(loss_mask, self.config.max_len or input_ids.shape[1] - 1)
 
   def _loss_terms(self, stats, micro, normaliser, old_logp):
     """The micro-batch's loss (policy term, KL, entropy bonus) and its clip counts."""
@@ -271,22 +268,22 @@ class Learner:
     }
     return loss, counts
 
-  def _micro_loss(self, params, micro, normaliser, first_update):
+  def _micro_loss(self, params, micro, normaliser, first_update, first_position):
     stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
-                              entropy_grad=self.config.entropy_coef > 0)
+                              entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     return self._loss_terms(stats, micro, normaliser, old_logp)
 
-  def _single_pass_loss(self, params, per_token, response, sampler_logp):
+  def _single_pass_loss(self, params, per_token, response, sampler_logp, first_position):
     """The loss of a step that is one update on one micro-batch: the pre-update statistics
     (old log-probs, entropy mask) are the stop-gradient of the same forward pass, so the step
     costs one forward and one backward instead of two forwards and a backward."""
     stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
-                              entropy_grad=self.config.entropy_coef > 0)
+                              entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     fixed = jax.lax.stop_gradient(stats)
     keep = entropy_keep_mask(self.config, fixed, sampler_logp, per_token["advantages"], response)
     micro = dict(per_token, loss_mask=response * keep)
-    normaliser = loss_normaliser(micro["loss_mask"], self.config.max_len)
+    normaliser = self._loss_normaliser(micro["loss_mask"], per_token["input_ids"])
     loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
     return loss, (counts, fixed, keep)
 
@@ -296,16 +293,17 @@ class Learner:
     params = optax.apply_updates(state.params, updates)
     return TrainState(params=params, opt_state=opt_state, step=state.step), optax.tree.norm(grads)
 
-  def _update(self, state: TrainState, mini: dict, first_update: bool):
+  def _update(self, state: TrainState, mini: dict, first_update: bool, first_position: int):
     """One optimizer step on a mini-batch, accumulating over its micro-batches."""
     n = self._micro_batches(mini["input_ids"].shape[0])
-    normaliser = loss_normaliser(mini["loss_mask"], self.config.max_len)
+    normaliser = self._loss_normaliser(mini["loss_mask"], mini["input_ids"])
     micros = {k: self._shard_batch(split_rows(v, n)) for k, v in mini.items()}
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def accumulate(carry, micro):
       grads, loss, counts = carry
-      (micro_loss, micro_counts), micro_grads = grad_fn(state.params, micro, normaliser, first_update)
+      (micro_loss, micro_counts), micro_grads = grad_fn(
+          state.params, micro, normaliser, first_update, first_position)
       counts = merge_counts(counts, micro_counts)
       return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), None
 
@@ -325,38 +323,45 @@ class Learner:
     c = self.config
     return c.mini_batches == 1 and c.ppo_epochs == 1 and self._micro_batches(batch_size) == 1
 
-  def _reference_logp(self, batch: LearnerBatch, reference) -> jax.Array | None:
-    """``[B, L-1]`` reference log-probs of the completion tokens: ``batch.ref_logp`` if given,
-    else (``kl_coef > 0``) a no-gradient pass of the reference parameters at the sampling
-    temperature, micro-batch by micro-batch like the pre-update pass."""
+  def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int) -> jax.Array | None:
+    """``[B, L-1-p]`` reference log-probs of the tokens from column ``stats_from_column`` on (see
+    :meth:`batch_stats`): ``batch.ref_logp`` if given, else (``kl_coef > 0``) a no-gradient pass
+    of the reference parameters at the sampling temperature, micro-batch by micro-batch like the
+    pre-update pass."""
     if batch.ref_logp is not None:
-      return batch.ref_logp[:, 1:]
+      return batch.ref_logp[:, first_stats_position(stats_from_column) + 1:]
     if self.config.kl_coef <= 0:
       return None
     if reference is None:
       raise ValueError("learner.kl_coef > 0 needs reference log-probs: the learner's reference "
                        "parameters (set by Learner.init) or batch.ref_logp")
-    return jax.lax.stop_gradient(self.batch_stats(reference, batch).logp)
+    return jax.lax.stop_gradient(self.batch_stats(reference, batch, stats_from_column).logp)
 
-  def _train_step_fn(self, state: TrainState, batch: LearnerBatch, reference=None):
+  def _train_step_fn(self, state: TrainState, batch: LearnerBatch, reference=None,
+                     stats_from_column: int = 0):
+    """The step; ``stats_from_column`` (static): no column before it holds a completion token
+    (:func:`first_response_column`), so per-token arrays start at the position predicting it."""
     c = self.config
     start = state
-    response = batch.response_mask[:, 1:].astype(jnp.float32) * batch.attention_mask[:, 1:]
+    first_position = first_stats_position(stats_from_column)
+    targets = slice(first_position + 1, None)  # the token columns the positions predict
+    response = batch.response_mask[:, targets].astype(jnp.float32) * batch.attention_mask[:, targets]
     advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
     per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages}
-    ref_logp = self._reference_logp(batch, reference)
+    ref_logp = self._reference_logp(batch, reference, stats_from_column)
     if c.kl_coef > 0:
       per_token["ref_logp"] = ref_logp
-    sampler_logp = batch.sampler_logp[:, 1:]
+    sampler_logp = batch.sampler_logp[:, targets]
     lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
 
     if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
-      (loss, (counts, stats, keep)), grads = grad_fn(state.params, per_token, response, sampler_logp)
+      (loss, (counts, stats, keep)), grads = grad_fn(
+          state.params, per_token, response, sampler_logp, first_position)
       state, grad_norm = self._apply(state, grads)
       loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
     else:
-      stats = self.batch_stats(state.params, batch)
+      stats = self.batch_stats(state.params, batch, stats_from_column)
       keep = entropy_keep_mask(c, stats, sampler_logp, advantages, response)
       loss_mask = response * keep
       per_token.update(loss_mask=loss_mask, old_logp=stats.logp)
@@ -367,7 +372,7 @@ class Learner:
         minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
         for i in range(c.mini_batches):
           mini = {k: v[i] for k, v in minis.items()}
-          state, loss, grad_norm, mini_counts = self._update(state, mini, first_update=updates_done == 0)
+          state, loss, grad_norm, mini_counts = self._update(state, mini, updates_done == 0, first_position)
           losses.append(loss)
           grad_norms.append(grad_norm)
           counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
@@ -392,7 +397,7 @@ class Learner:
         "mask_frac_positive": jnp.sum(masked & positive) / jnp.maximum(jnp.sum(positive), 1),
         "mask_frac_negative": jnp.sum(masked & negative) / jnp.maximum(jnp.sum(negative), 1),
         "entropy_change_forecast": batch_entropy_change(advantages, stats.centered, loss_mask, lr),
-        "logp_mismatch": masked_mean(jnp.abs(batch.sampler_logp[:, 1:] - stats.logp), valid),
+        "logp_mismatch": masked_mean(jnp.abs(sampler_logp - stats.logp), valid),
         "response_tokens": jnp.sum(valid),
     }
     if ref_logp is not None:  # measured with the pre-update parameters
@@ -400,24 +405,25 @@ class Learner:
     state, metrics["nonfinite_skipped"] = keep_if_finite(state, start, losses + grad_norms)
     return state, metrics
 
-  def _mean_entropy_fn(self, params, batch: LearnerBatch):
-    stats = self.batch_stats(params, batch)
-    valid = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
+  def _mean_entropy_fn(self, params, batch: LearnerBatch, stats_from_column: int = 0):
+    stats = self.batch_stats(params, batch, stats_from_column)
+    targets = slice(first_stats_position(stats_from_column) + 1, None)
+    valid = batch.response_mask[:, targets] * batch.attention_mask[:, targets]
     return masked_mean(stats.entropy, valid)
 
   def _compile(self, state: TrainState, batch: LearnerBatch, reference=None):
     """``jax.jit`` of the step with explicit shardings when a mesh is given: the state keeps
     the layout it has (parameters as placed by ``rft_jax.parallel``), the reference keeps its
     own (the parameters'; never donated), batch rows are split over the data axis and metrics
-    are replicated."""
+    are replicated. Its fourth argument, ``stats_from_column``, is static."""
     if self.mesh is None:
-      return jax.jit(self._train_step_fn, donate_argnums=0)
+      return jax.jit(self._train_step_fn, donate_argnums=0, static_argnums=3)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     reference_shardings = jax.tree.map(lambda x: x.sharding, reference)
     rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
     batch_shardings = jax.tree.map(lambda _: rows, batch)
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    return jax.jit(self._train_step_fn, donate_argnums=0,
+    return jax.jit(self._train_step_fn, donate_argnums=0, static_argnums=3,
                    in_shardings=(state_shardings, batch_shardings, reference_shardings),
                    out_shardings=(state_shardings, replicated))
 
@@ -436,14 +442,17 @@ class Learner:
                        "the starting parameters, or the constructor's reference) or pass batch.ref_logp")
     return reference
 
-  def lower_step(self, state: TrainState, batch: LearnerBatch, reference=None) -> jax.stages.Lowered:
+  def lower_step(self, state: TrainState, batch: LearnerBatch, reference=None,
+                 stats_from_column: int = 0) -> jax.stages.Lowered:
     """The step lowered for ``state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct`` with
     shardings, e.g. :meth:`abstract_state`): ``.compile().memory_analysis()`` gives its bytes
     per device (``rft-jax plan``). With ``kl_coef > 0`` and no ``batch.ref_logp`` the step also
     takes the reference parameters: ``reference``, else :attr:`reference`, else
-    :meth:`abstract_reference` of ``state.params``; they count in the argument bytes."""
+    :meth:`abstract_reference` of ``state.params``; they count in the argument bytes.
+    ``stats_from_column``: the batch's :func:`first_response_column` (0, the default, gives the
+    statistics of every position: an upper bound on the step's memory)."""
     reference = self._step_reference(batch, reference, state)
-    return self._compile(state, batch, reference).lower(state, batch, reference)
+    return self._compile(state, batch, reference).lower(state, batch, reference, stats_from_column)
 
   def place_batch(self, batch: LearnerBatch) -> LearnerBatch:
     """``batch`` as global arrays with rows over the data axis (unchanged without a mesh).
@@ -461,23 +470,27 @@ class Learner:
 
     A step whose loss, gradient norm or updated parameters are not finite returns ``state``'s
     values unchanged, step counter included, with ``metrics["nonfinite_skipped"] == 1.0``.
-    ``batch`` is placed with :meth:`place_batch`. Every ``forecast_every`` steps the entropy
-    of the updated policy on the same batch is measured (one more forward pass) next to the
-    first-order forecast. The metrics are read back on every process.
+    ``batch`` is placed with :meth:`place_batch`; its :func:`first_response_column` (read on the
+    host) is where the step's statistics start (one compiled program per value). Every
+    ``forecast_every`` steps the entropy of the updated policy on the same batch is measured (one
+    more forward pass) next to the first-order forecast. The metrics are read back on every
+    process.
     """
     every = self.config.forecast_every
     measure = every > 0 and int(host_array(state.step)) % every == 0
+    column = first_response_column(host_array(batch.response_mask))
     batch = self.place_batch(batch)
     reference = self._step_reference(batch)
     if self._train_step is None:
       self._train_step = self._compile(state, batch, reference)
-    new_state, metrics = self._train_step(state, batch, reference)
+    new_state, metrics = self._train_step(state, batch, reference, column)
     metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:
-      measured = float(host_array(self._mean_entropy(new_state.params, batch)))
+      measured = float(host_array(self._mean_entropy(new_state.params, batch, column)))
       metrics["entropy_change_measured"] = measured - metrics["entropy"]
     return new_state, metrics
 
   def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:
     """Token-mean entropy of the policy on ``batch``'s response tokens."""
-    return float(host_array(self._mean_entropy(state.params, self.place_batch(batch))))
+    column = first_response_column(host_array(batch.response_mask))
+    return float(host_array(self._mean_entropy(state.params, self.place_batch(batch), column)))

@@ -4,19 +4,25 @@ by OmegaConf (structured configs), so an unknown key or a wrong type is an error
     cfg = load_config("configs/demo.yaml", ["learner.lr=1e-6", "sampling.n=8"])
 
 Cross-field checks (batch sizes that must divide, the sampling temperature the learner's
-statistics use) run when the config is loaded, not at step 1 on a GPU.
+statistics use) run when the config is loaded, not at step 1 on a GPU. Relative paths
+(:data:`PATH_KEYS`, each ``eval.sets[i].path``) are resolved against the current directory
+when the config is loaded and kept absolute, so the run's ``config.yaml`` reads the same
+from any directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import os
+import typing
+from typing import Any, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rft_jax.models.config import ATTENTION_KINDS
+from rft_jax.models.tokenizer import CHAT_TEMPLATE_MODES
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 
@@ -68,6 +74,8 @@ class DataConfig:
     system_prompt: optional system message of the chat template.
     instruction: appended to every question.
     epochs: passes over the data (None: forever).
+    chat_template: ``auto`` (the tokenizer's chat template when it has one, else plain text),
+      ``chat`` (required) or ``none`` (plain text: system prompt, blank line, question).
   """
 
   train_path: str = ""
@@ -81,6 +89,11 @@ class DataConfig:
   system_prompt: Optional[str] = None
   instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
   epochs: Optional[int] = None
+  chat_template: str = "auto"
+
+  def __post_init__(self):
+    if self.chat_template not in CHAT_TEMPLATE_MODES:
+      raise ConfigError(f"data.chat_template={self.chat_template!r} is not one of {list(CHAT_TEMPLATE_MODES)}")
 
 
 @dataclasses.dataclass
@@ -242,17 +255,44 @@ def _describe(exc: OmegaConfBaseException) -> str:
 REQUIRED_PATHS = ("model.path", "data.train_path")
 
 
+# Settings that name a file or directory (besides each ``eval.sets[i].path``): resolved
+# against the current directory when the config is loaded ('' stays '': unset or off).
+PATH_KEYS = ("run_dir", "compilation_cache_dir", "model.path", "model.ref_path", "data.train_path")
+
+
 def load_config(path: str | None = None, overrides: Sequence[str] = (), *,
                 required: Sequence[str] = REQUIRED_PATHS, **defaults) -> TrainConfig:
   """Merges the schema, ``defaults`` (a dict of fields), the YAML file and dotted overrides
-  (``key=value``; ``key=`` sets the empty string, ``key=null`` None), and checks that the
-  ``required`` settings are not empty."""
+  (``key=value``; ``key=`` sets the empty string, ``key=null`` None), checks that the
+  ``required`` settings are not empty and makes relative paths absolute (against the current
+  directory, :func:`resolve_paths`)."""
   where = path or "the command line"
   config = _merge(path, overrides, defaults, where)
   for key in required:
     section, field = key.split(".")
     if not getattr(getattr(config, section), field):
       raise ConfigError(f"{where}: {key} is required (set it in the YAML or as {key}=...)")
+  return resolve_paths(config)
+
+
+def absolute_path(path: str) -> str:
+  """``path`` made absolute against the current directory (``~`` expanded); '' and URLs
+  (``gs://...``) unchanged."""
+  if not path or "://" in path:
+    return path
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def resolve_paths(config: TrainConfig) -> TrainConfig:
+  """Makes every path setting of ``config`` absolute (:func:`absolute_path`), in place."""
+  for key in PATH_KEYS:
+    *sections, field = key.split(".")
+    owner = config
+    for section in sections:
+      owner = getattr(owner, section)
+    setattr(owner, field, absolute_path(getattr(owner, field)))
+  for eval_set in config.eval.sets:
+    eval_set.path = absolute_path(eval_set.path)
   return config
 
 
@@ -337,3 +377,44 @@ def _yaml_problem(exc: yaml.YAMLError, with_line: bool = True) -> str:
 def to_yaml(config: TrainConfig) -> str:
   """The resolved config, as written to ``RUN_DIR/config.yaml``."""
   return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def config_keys(schema: type = TrainConfig, prefix: str = "", instance: Any = None) -> list[tuple[str, Any]]:
+  """``(dotted key, default)`` of every setting of ``schema``, nested config dataclasses walked
+  (``learner.entropy_mask.kind``); the fields of a list's config items appear as
+  ``key[i].field``. A nested config's defaults are read from its ``default_factory``'s value
+  (``instance``), the top level's from the class (before ``__post_init__`` derives any)."""
+  hints = typing.get_type_hints(schema)
+  keys = []
+  for field in dataclasses.fields(schema):
+    key = prefix + field.name
+    if instance is not None:
+      default = getattr(instance, field.name)
+    elif field.default is not dataclasses.MISSING:
+      default = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+      default = field.default_factory()
+    else:
+      default = dataclasses.MISSING
+    if dataclasses.is_dataclass(default):
+      keys += config_keys(type(default), key + ".", default)
+      continue
+    keys.append((key, default))
+    item = typing.get_args(hints[field.name])
+    if typing.get_origin(hints[field.name]) is list and item and dataclasses.is_dataclass(item[0]):
+      keys += config_keys(item[0], key + "[i].")
+  return keys
+
+
+def format_config_keys() -> str:
+  """Every setting with its default, one ``key = value`` a line (``rft-jax train --help``)."""
+  def shown(value: Any) -> str:
+    if value is None:
+      return "null"
+    if isinstance(value, bool):
+      return str(value).lower()
+    if isinstance(value, str):  # YAML's single quotes: a backslash is itself
+      return "'" + value.replace("'", "''") + "'"
+    return repr(value)
+
+  return "\n".join(f"  {key} = {shown(value)}" for key, value in config_keys())

@@ -23,6 +23,7 @@ from rft_jax.entropy import token_stats
 from rft_jax.eval import avg_at_k, pass_at_k_from_samples
 from rft_jax.parallel import global_array, host_array
 from rft_jax.rewards import RewardConfig, score_batch
+from rft_jax.rewards.user_functions import example_rows
 from rft_jax.sampling import SamplingParams, generate
 
 
@@ -45,9 +46,10 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
     chunk = prompts[start:start + batch_prompts]
     rollouts = generate(model, [list(p.token_ids) for p in chunk], params, seed=seed + start, mesh=mesh)
     texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
-    answers = [chunk[i].example.answer for i in rollouts.prompt_index]
-    scored = score_batch(texts, answers, list(rollouts.finish_reason),
-                         [int(x) for x in rollouts.completion_lengths], rewards)
+    examples = [chunk[i].example for i in rollouts.prompt_index]
+    scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
+                         [int(x) for x in rollouts.completion_lengths], rewards,
+                         rows=example_rows(examples))
     correct.append(np.asarray(scored.correct, bool).reshape(len(chunk), k))
     lengths.append(rollouts.completion_lengths)
     if entropy_temperature is not None:

@@ -17,18 +17,20 @@ import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from rft_jax import data as data_lib
-from rft_jax.models import chat_token_ids, load_hf, load_tokenizer
+from rft_jax.models import load_hf, load_tokenizer
+from rft_jax.models.tokenizer import prompt_token_ids
 from rft_jax.parallel import is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import score_batch
+from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling import generate
@@ -39,8 +41,9 @@ from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metrics_log import MetricsLog, NullLog
 from rft_jax.train.preemption import StopSignals
 from rft_jax.train.preflight import validate_for_training
-from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
+from rft_jax.train.resolve import DTYPES, mesh_axes, reward_config, sampling_params
 from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
+from rft_jax.train.status import logger
 
 def stop_token_ids(tokenizer: Any, model_eos: Any = None) -> tuple[int, ...]:
   """End-of-sequence ids: the tokenizer's eos, the model config's, and Qwen's chat markers."""
@@ -72,15 +75,20 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   """Builds the run and returns it with a fresh train state."""
   data_size, model_size = mesh_axes(cfg, len(jax.devices()))
   mesh = make_mesh(data=data_size, model=model_size)
+
   def load(path):
     return load_hf(path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
                    mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
 
   model = load(cfg.model.path)
+  logger.info("model %s: %.1fM parameters, %s compute / %s storage, mesh data=%d x model=%d",
+              cfg.model.path, sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e6,
+              cfg.model.dtype, cfg.model.param_dtype, data_size, model_size)
   tokenizer = load_tokenizer(cfg.model.path)
   examples, report = data_lib.load_math_dataset(
       cfg.data.train_path, cfg.data.format, question_field=cfg.data.question_field,
       answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row)
+  cfg = dataclasses.replace(cfg, rewards=reward_config(cfg, [e.question for e in examples]))
   validation = []
   if cfg.data.val_size > 0:
     examples, validation = data_lib.split_validation(examples, cfg.data.val_size, cfg.seed)
@@ -100,9 +108,10 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
 
 
 def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
-  """A question's chat prompt: ``data.instruction`` appended, ``data.system_prompt`` if set."""
+  """A question's prompt: ``data.instruction`` appended, ``data.system_prompt`` if set, through
+  the chat template or as plain text (``data.chat_template``)."""
   text = f"{question} {data.instruction}".strip() if data.instruction else question
-  return chat_token_ids(tokenizer, text, data.system_prompt)
+  return prompt_token_ids(tokenizer, text, data.system_prompt, data.chat_template)
 
 
 def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any]:
@@ -113,9 +122,10 @@ def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any
                       sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh)
   t1 = time.perf_counter()
   texts = run.tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
-  answers = [prompts[i].example.answer for i in rollouts.prompt_index]
-  scored = score_batch(texts, answers, list(rollouts.finish_reason),
-                       [int(x) for x in rollouts.completion_lengths], cfg.rewards)
+  examples = [prompts[i].example for i in rollouts.prompt_index]
+  scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
+                       [int(x) for x in rollouts.completion_lengths], cfg.rewards,
+                       rows=example_rows(examples))
   return {"rollouts": rollouts, "scored": scored, "sample_time": t1 - t0,
           "reward_time": time.perf_counter() - t1}
 
@@ -252,6 +262,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
   if cfg.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
   validate_for_training(cfg, jax.device_count())
+  logger.info("config checked: %d steps of %d prompts x %d samples into %s", cfg.steps,
+              cfg.data.prompts_per_step, cfg.sampling.n, cfg.run_dir)
   with (RunDirLock(cfg.run_dir) if main else contextlib.nullcontext()), StopSignals() as signals:
     if main:
       prepare_run_dir(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
@@ -263,7 +275,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
       state, meta, start = checkpointer.restore(state)
       run.stream.set_state(meta["data"])
       if main:
-        print(f"rft-jax: resumed from step {start} of {cfg.run_dir}", file=sys.stderr, flush=True)
+        logger.info("resumed from step %d of %s", start, cfg.run_dir)
     log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None) if main else NullLog()
     return _run_steps(run, state, start, checkpointer, log, signals)
 
@@ -280,16 +292,21 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
     checkpointer.save(step, state, _checkpoint_meta(run, step))
     log.flush()
     saved = step
+    logger.info("checkpoint of step %d -> %s", step, checkpointer.directory)
 
   try:
     if cfg.eval.at_start and start == 0:
       log.write(-1, _timed_evaluation(run, state))
     for step in range(start, cfg.steps):
       try:
+        started = time.perf_counter()
         state, metrics = train_step(run, state, step)
+        if step == start:
+          logger.info("first step done in %.0f s (compiling the sampler and the learner step)",
+                      time.perf_counter() - started)
       except StopIteration:
-        print(f"rft-jax: the training data ran out (data.epochs={cfg.data.epochs}) before step "
-              f"{step}; stopping with a checkpoint of step {done}", file=sys.stderr, flush=True)
+        logger.warning("the training data ran out (data.epochs=%s) before step %d; stopping with a "
+                       "checkpoint of step %d", cfg.data.epochs, step, done)
         break
       done = step + 1
       skipped = bool(metrics.get("nonfinite_skipped", 0.0))
@@ -299,6 +316,8 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
       if cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps):
         try:
           metrics.update(_timed_evaluation(run, state))
+          logger.info("evaluation after step %d: %s", done, ", ".join(
+              f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and "@" in k))
         except Exception:
           log.write(step, metrics)  # the step's own metrics; its checkpoint follows below
           raise
@@ -338,15 +357,13 @@ def _save_after_error(save, step: int, state) -> None:
   """Saves the last completed step of a run that is failing, saying so; a save that cannot be
   made (e.g. the state's buffers were donated to the failing step) is reported, not raised."""
   if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
-    print(f"rft-jax: the state after step {step} is gone with the failing step; not saved",
-          file=sys.stderr, flush=True)
+    logger.error("the state after step %d is gone with the failing step; not saved", step)
     return
   try:
     save(step)
-    print(f"rft-jax: saved a checkpoint of step {step} before stopping on the error below",
-          file=sys.stderr, flush=True)
+    logger.error("saved a checkpoint of step %d before stopping on the error below", step)
   except Exception as exc:  # the original error is the one to report
-    print(f"rft-jax: could not save step {step} before stopping: {exc}", file=sys.stderr, flush=True)
+    logger.error("could not save step %d before stopping: %s", step, exc)
 
 
 def _close_quietly(*closers) -> None:
@@ -354,7 +371,7 @@ def _close_quietly(*closers) -> None:
     try:
       close()
     except Exception as exc:  # an error is already on its way out
-      print(f"rft-jax: while stopping: {exc}", file=sys.stderr, flush=True)
+      logger.error("while stopping: %s", exc)
 
 
 def _timed_evaluation(run: Run, state) -> dict[str, float]:

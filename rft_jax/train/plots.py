@@ -5,7 +5,8 @@ reward and accuracy (with evaluation Avg@K where logged); PPO
 clip fractions and entropy-mask fractions; the Corollary 4 forecast of the entropy
 change against the measured change (where ``forecast_every`` was set). Per-step series of
 the training batch are drawn faintly with their running mean on top: they vary with the
-batch's prompts as much as with the policy.
+batch's prompts as much as with the policy. Each run has one colour, each series of a panel
+one line style (the legends list both), so that several runs can be told apart.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ def running_mean(values: Sequence[float], window: int) -> np.ndarray:
   return (sums[ends] - sums[starts]) / (ends - starts)
 
 
-def _plot_per_step(ax, records, key, label, style="-", **kw):
-  """A per-step series, faint, under its running mean (a tenth of the steps); returns the line."""
+def _plot_per_step(ax, records, key, color, style="-"):
+  """A per-step series, faint, under its running mean (a tenth of the steps)."""
   steps, values = _series(records, key)
+  if not steps:
+    return
   window = max(len(steps) // 10, 1)
-  line, = ax.plot(steps, running_mean(values, window), style, label=label, **kw)
+  ax.plot(steps, running_mean(values, window), style, color=color, label=key)
   if window > 1:
-    ax.plot(steps, values, style, color=line.get_color(), alpha=0.25, linewidth=0.8)
-  return line
+    ax.plot(steps, values, style, color=color, alpha=0.25, linewidth=0.8)
 
 
 def _forecast_pairs(records: Sequence[dict]) -> np.ndarray:
@@ -59,39 +61,105 @@ def forecast_correlation(records: Sequence[dict]) -> float:
   return float(np.corrcoef(pairs.T)[0, 1])
 
 
-def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
-  """Draws the runs' curves into ``out_path`` (PNG) and returns the path."""
+# One line style per series of a panel (the same for every run); the colour says the run.
+TRAINING_STYLE = "-"
+EVAL_STYLES = ("o--", "s-.", "^:", "D--", "v-.")  # one per evaluation set, in key order
+FRACTION_STYLES = {"mask_frac": "-", "clip_frac_low": ":", "clip_frac_high": "-."}
+
+
+def run_names(run_dirs: Sequence[str]) -> list[str]:
+  """Each run's directory name, or its last two path parts where names repeat."""
+  paths = [os.path.normpath(os.path.abspath(d)) for d in run_dirs]
+  names = [os.path.basename(p) for p in paths]
+  return [os.path.join(os.path.basename(os.path.dirname(p)), n) if names.count(n) > 1 else n
+          for p, n in zip(paths, names)]
+
+
+def run_colors(count: int) -> list:
+  """``count`` distinct colours (tab10, tab20 above 10 runs, a colour map above 20)."""
+  import matplotlib
+
+  if count <= 20:
+    cmap = matplotlib.colormaps["tab10" if count <= 10 else "tab20"]
+    return [cmap(i) for i in range(count)]
+  return [matplotlib.colormaps["viridis"](i / (count - 1)) for i in range(count)]
+
+
+def default_out_path(run_dirs: Sequence[str]) -> str:
+  """Where ``rft-jax plot`` writes without ``--out``: ``plots.png`` beside the first run's
+  metrics (in its run directory)."""
+  return os.path.join(run_dirs[0], "plots.png")
+
+
+def draw_runs(run_dirs: Sequence[str]):
+  """The runs' curves as a matplotlib ``Figure`` of four panels (entropy, accuracy, clip and
+  mask fractions, forecast vs measured entropy change): one colour per run, one line style
+  per series; each panel's legend names the runs (colours) and the series (styles)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.lines import Line2D
 
-  runs = {os.path.basename(os.path.normpath(d)): read_metrics(d) for d in run_dirs}
   fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-  for name, records in runs.items():
-    entropy_line = _plot_per_step(axes[0], records, "entropy", f"{name} training batch")
-    for key in sorted({k for r in records for k in r if k.startswith("eval_") and k.endswith("_entropy")}):
-      axes[0].plot(*_series(records, key), "o--", color=entropy_line.get_color(),
-                   label=f"{name} {key[5:]}")
-    line = _plot_per_step(axes[1], records, "accuracy", f"{name} train acc")
-    eval_keys = sorted({k for r in records for k in r if k.startswith("eval_") and "avg@" in k})
-    for key in eval_keys:
-      axes[1].plot(*_series(records, key), "o--", color=line.get_color(), label=f"{name} {key[5:]}")
-    for key, style in (("clip_frac_low", ":"), ("clip_frac_high", "--"), ("mask_frac", "-")):
-      _plot_per_step(axes[2], records, key, f"{name} {key}", style)
+  colors = run_colors(len(run_dirs))
+  series = [{} for _ in axes]  # per panel: label -> line style, in drawing order
+  eval_styles = [{}, {}]  # of the entropy and accuracy panels: evaluation label -> style
+  for name, run_dir, color in zip(run_names(run_dirs), run_dirs, colors):
+    records = read_metrics(run_dir)
+    for panel, key, label in ((0, "entropy", "training batch"), (1, "accuracy", "train acc")):
+      if _series(records, key)[0]:
+        _plot_per_step(axes[panel], records, key, color, TRAINING_STYLE)
+        series[panel].setdefault(label, TRAINING_STYLE)
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval_")})
+    for panel, keys in ((0, [k for k in eval_keys if k.endswith("_entropy")]),
+                        (1, [k for k in eval_keys if "avg@" in k])):
+      for key in keys:
+        style = eval_styles[panel].setdefault(key[5:], EVAL_STYLES[len(eval_styles[panel]) % len(EVAL_STYLES)])
+        series[panel][key[5:]] = style
+        axes[panel].plot(*_series(records, key), style, color=color, label=key[5:])
+    for key, style in FRACTION_STYLES.items():
+      if _series(records, key)[0]:
+        _plot_per_step(axes[2], records, key, color, style)
+        series[2].setdefault(key, style)
     pairs = _forecast_pairs(records)
     if len(pairs):
-      axes[3].scatter(pairs[:, 0], pairs[:, 1], s=12, label=f"{name} (r = {forecast_correlation(records):.2f})")
+      axes[3].scatter(pairs[:, 0], pairs[:, 1], s=12, color=color,
+                      label=f"{name} (r = {forecast_correlation(records):.2f})")
   titles = ("policy entropy (nats / token)", "accuracy", "clip and mask fractions",
             "entropy change: forecast vs measured")
-  for ax, title in zip(axes, titles):
+  run_handles = [Line2D([], [], color=c, label=n) for n, c in zip(run_names(run_dirs), colors)]
+  for ax, title, styles in zip(axes, titles, series):
     ax.set_title(title)
     ax.set_xlabel("step")
-    if ax.has_data():
-      ax.legend(fontsize=7)
+    if ax is axes[3]:
+      if ax.has_data():
+        ax.legend(fontsize=7)
+    elif ax.has_data():
+      style_handles = [Line2D([], [], linestyle=_linestyle(s), marker=_marker(s), color="0.4", label=label)
+                       for label, s in styles.items()]
+      ax.legend(handles=run_handles + style_handles, fontsize=7)
   axes[3].set_xlabel("forecast -lr Cov(A, S* - E[S])")
   axes[3].set_ylabel("measured")
   fig.tight_layout()
+  return fig
+
+
+def _marker(style: str) -> str:
+  return style[0] if style[0] in "osD^v" else ""
+
+
+def _linestyle(style: str) -> str:
+  return style[1:] if _marker(style) else style
+
+
+def plot_runs(run_dirs: Sequence[str], out_path: str | None = None) -> str:
+  """Draws the runs' curves (:func:`draw_runs`) into ``out_path`` (PNG; default
+  :func:`default_out_path`, beside the first run) and returns the path."""
+  out_path = out_path or default_out_path(run_dirs)
+  fig = draw_runs(run_dirs)
+  import matplotlib.pyplot as plt
+
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   fig.savefig(out_path, dpi=110)
   plt.close(fig)

@@ -10,13 +10,15 @@ processes), so that all of them save the same step.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import threading
 
 import jax
 import numpy as np
+
+from rft_jax.train.status import logger
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -43,12 +45,12 @@ class StopSignals:
     del frame
     name = signal.Signals(signum).name
     if self.signum is not None:
-      print(f"rft-jax: second signal ({name}): exiting now, without a checkpoint of this step",
-            file=sys.stderr, flush=True)
+      logger.error("second signal (%s): exiting now, without a checkpoint of this step", name)
+      logging.shutdown()
       os._exit(128 + signum)
     self.signum = signum
-    print(f"rft-jax: received {name}: finishing this step, then saving a checkpoint and stopping "
-          f"(send it again to exit at once)", file=sys.stderr, flush=True)
+    logger.warning("received %s: finishing this step, then saving a checkpoint and stopping (send "
+                   "it again to exit at once)", name)
 
   def requested(self) -> int | None:
     """The signal to stop for, if any process has received one (a collective call)."""

@@ -10,6 +10,7 @@ checks are separate):
 * ``data.train_path``: loads (format, columns, rows, UTF-8), and holds more usable rows than
   ``data.val_size``, leaving at least one batch of ``data.prompts_per_step``;
 * each ``eval.sets[i].path``: loads, when evaluation is on (``eval.every`` or ``eval.at_start``);
+* ``rewards.functions``: each imports;
 * the mesh: ``mesh.data x mesh.model`` fits ``n_devices``, and every micro-batch (so every
   step's prompts x samples) splits evenly over the data-parallel devices.
 
@@ -26,6 +27,7 @@ from rft_jax.data import DatasetError, load_math_dataset
 from rft_jax.models.hf import read_config
 from rft_jax.models.safetensors_io import weight_map
 from rft_jax.models.tokenizer import check_tokenizer_files
+from rft_jax.rewards.user_functions import load_function
 from rft_jax.train.config import ConfigError, TrainConfig
 from rft_jax.train.resolve import mesh_axes
 
@@ -43,6 +45,11 @@ def validate_for_training(cfg: TrainConfig, n_devices: int) -> None:
     check_model_dir(cfg.model.ref_path, key="model.ref_path", tokenizer=False)
   check_training_data(cfg)
   check_eval_sets(cfg)
+  for name in cfg.rewards.functions:
+    try:
+      load_function(name)
+    except ValueError as exc:
+      raise ConfigError(str(exc)) from exc
 
 
 def data_parallel_devices(cfg: TrainConfig, n_devices: int) -> int:

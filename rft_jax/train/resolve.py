@@ -1,16 +1,21 @@
-"""What a run's config resolves to on a set of devices: dtypes, the mesh's axis sizes and the
-sampler's parameters. The training loop and ``rft-jax plan`` both take them from here, so a
-planned run is the run that trains."""
+"""What a run's config resolves to on a set of devices and its data: dtypes, the mesh's axis
+sizes, the sampler's parameters and the reward's answer extractor. The training loop and
+``rft-jax plan`` both take them from here, so a planned run is the run that trains."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Sequence
 
 from rft_jax.models.config import DTYPES
+from rft_jax.rewards import RewardConfig
 from rft_jax.sampling import SamplingParams
 from rft_jax.train.config import TrainConfig
 
-__all__ = ["DTYPES", "mesh_axes", "sampling_params"]
+__all__ = ["DTYPES", "mesh_axes", "reward_config", "sampling_params"]
+# A question that itself asks for a final line "Answer: X" (DAPO-Math-17k's prompts do).
+ASKS_FOR_ANSWER_LINE = re.compile(r"\bAnswer:")
 
 
 def mesh_axes(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
@@ -25,3 +30,13 @@ def sampling_params(cfg: TrainConfig, stop_ids: Sequence[int]) -> SamplingParams
   return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                         max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop_ids),
                         max_rollouts_per_call=s.max_rollouts_per_call)
+
+
+def reward_config(cfg: TrainConfig, questions: Sequence[str]) -> RewardConfig:
+  """``rewards`` with ``extractor: auto`` resolved: ``answer_line_or_boxed`` when most
+  training ``questions`` ask for an ``Answer:`` line themselves, else ``boxed``."""
+  if cfg.rewards.extractor != "auto":
+    return cfg.rewards
+  asking = sum(bool(ASKS_FOR_ANSWER_LINE.search(q)) for q in questions)
+  extractor = "answer_line_or_boxed" if asking * 2 > len(questions) else "boxed"
+  return dataclasses.replace(cfg.rewards, extractor=extractor)

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rft_jax.train.config import TrainConfig, to_yaml
+from rft_jax.train.config import PATH_KEYS, TrainConfig, absolute_path, to_yaml
 from rft_jax.train.errors import RunDirError
 
 LOCK_FILE = "trainer.lock"
@@ -112,10 +112,17 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool = False,
 
 def config_changes(old: dict, cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
   """``(dotted key, old value, new value)`` for every setting of ``old`` (a loaded
-  ``config.yaml``) that ``cfg`` sets differently."""
+  ``config.yaml``) that ``cfg`` sets differently (paths compared made absolute, as
+  :func:`rft_jax.train.config.load_config` makes them)."""
   new = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
-  return [(key, value, new[key]) for key, value in _flatten(old).items()
-          if key in new and new[key] != value]
+  old = _flatten(old)
+  for key in PATH_KEYS:
+    if isinstance(old.get(key), str):
+      old[key] = absolute_path(old[key])
+  for eval_set in old.get("eval.sets") or []:
+    if isinstance(eval_set, dict) and isinstance(eval_set.get("path"), str):
+      eval_set["path"] = absolute_path(eval_set["path"])
+  return [(key, value, new[key]) for key, value in old.items() if key in new and new[key] != value]
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

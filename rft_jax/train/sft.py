@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from rft_jax.entropy import token_stats
+from rft_jax.train.config import DataConfig
 
 
 @dataclasses.dataclass
@@ -90,17 +91,21 @@ def end_of_turn_id(tokenizer, eos_token_id: int | Sequence[int] | None) -> int:
 
 def sft_files(model_path: str, data_path: str, out: str, config: SFTConfig, *,
               question_field: str = "question", response_field: str = "response",
-              log: Callable[[int, float], None] | None = None) -> nnx.Module:
+              log: Callable[[int, float], None] | None = None,
+              prompt: DataConfig | None = None) -> nnx.Module:
   """Fine-tunes the HF model at ``model_path`` on the JSONL (or parquet) pairs at ``data_path``
   and saves model and tokenizer to ``out`` in HF form; returns the model.
 
-  Each row needs a non-empty ``question_field`` (the user turn, put through the tokenizer's
-  chat template) and ``response_field`` (the assistant turn); a row without one is an error
+  Each row needs a non-empty ``question_field`` (the user turn, prompted exactly as a training
+  run with the data settings ``prompt`` would: its instruction, system prompt and chat
+  template; default: the training defaults) and ``response_field`` (the assistant turn); a row
+  without one is an error
   naming the file, row and field, and an example longer than ``config.max_len`` tokens one
   naming its row.
   """
   from rft_jax.data import DatasetError, load_math_dataset
-  from rft_jax.models import chat_token_ids, load_hf, load_tokenizer, save_hf
+  from rft_jax.models import load_hf, load_tokenizer, save_hf
+  from rft_jax.train.loop import prompt_ids
 
   tokenizer = load_tokenizer(model_path)
   model = load_hf(model_path)
@@ -108,7 +113,8 @@ def sft_files(model_path: str, data_path: str, out: str, config: SFTConfig, *,
                                   answer_field=response_field,
                                   field_settings=("--question-field", "--response-field"))
   end = end_of_turn_id(tokenizer, model.config.eos_token_id)
-  prompts = [chat_token_ids(tokenizer, e.question) for e in examples]
+  prompt = DataConfig() if prompt is None else prompt
+  prompts = [prompt_ids(tokenizer, prompt, e.question) for e in examples]
   responses = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + [end]
                for e in examples]
   try:

@@ -1,0 +1,48 @@
+"""Where the demo's files are, so that ``rft-jax demo`` runs from any working directory.
+
+The shipped ``configs/demo.yaml`` is found from the package (the repository root is the
+parent of the ``rft_jax`` package; ``configs/`` is not package data), and its relative
+``model.path`` is read against that root, where ``rft_jax/demo/checkpoint`` lives. The outputs
+go where the user runs the demo: ``run_dir`` (and any path given on the command line) is
+relative to the current directory, and the training data and the compilation cache are kept
+under the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "demo.yaml")
+CACHE_DIR_NAME = ".jax_cache"
+
+
+def overridden(overrides: Sequence[str], key: str) -> bool:
+  """Whether a dotted override (``key=value``) sets ``key``."""
+  return any(o.partition("=")[0].strip() == key for o in overrides)
+
+
+def load_demo_config(config_path: str | None = None, overrides: Sequence[str] = ()):
+  """The demo's config (:func:`rft_jax.train.config.load_config` of ``config_path``, default
+  :data:`DEFAULT_CONFIG`, and ``overrides``), with:
+
+  * a relative ``model.path`` of the config file read against :data:`REPO_ROOT` (one given as
+    an override is relative to the current directory, as everywhere);
+  * the compilation cache in ``RUN_DIR/.jax_cache`` (the file's ``compilation_cache_dir`` is
+    ignored; an override ``compilation_cache_dir=...`` is kept, ``compilation_cache_dir=`` for
+    none).
+  """
+  from omegaconf import OmegaConf
+
+  from rft_jax.train.config import absolute_path, load_config
+
+  path = config_path or DEFAULT_CONFIG
+  cfg = load_config(path, overrides)
+  file_model_path = OmegaConf.select(OmegaConf.load(path), "model.path", default="")
+  if not overridden(overrides, "model.path") and file_model_path and not os.path.isabs(
+      os.path.expanduser(file_model_path)):
+    cfg.model.path = os.path.join(REPO_ROOT, file_model_path)
+  if not overridden(overrides, "compilation_cache_dir"):
+    cfg.compilation_cache_dir = absolute_path(os.path.join(cfg.run_dir, CACHE_DIR_NAME))
+  return cfg
