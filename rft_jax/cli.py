@@ -50,7 +50,10 @@ def _train(args: argparse.Namespace) -> int:
   cfg = load_config(args.config, args.overrides)
   metrics = train(cfg, resume=not (args.no_resume or args.overwrite), overwrite=args.overwrite,
                   allow_config_change=args.allow_config_change)
-  print(f"finished {cfg.steps} steps in {cfg.run_dir}: reward {metrics.get('reward_mean', float('nan')):.3f}, "
+  done = metrics["steps_done"]
+  what = (f"finished {done} steps" if done == cfg.steps else
+          f"stopped after {done} of {cfg.steps} steps (the training data ran out)")
+  print(f"{what} in {cfg.run_dir}: reward {metrics.get('reward_mean', float('nan')):.3f}, "
         f"entropy {metrics.get('entropy', float('nan')):.3f}")
   return 0
 
@@ -98,6 +101,17 @@ def _restore_model(run_dir: str, step: int | None):
   return learner.model(state), cfg, restored
 
 
+def _checkpoint_dtype(model_dir: str) -> str | None:
+  """The dtype a Hugging Face directory's ``config.json`` declares (float32 or bfloat16), if any."""
+  import json
+  import os
+
+  with open(os.path.join(model_dir, "config.json")) as f:
+    config = json.load(f)
+  dtype = config.get("torch_dtype") or config.get("dtype")
+  return dtype if dtype in ("float32", "bfloat16") else None
+
+
 def _export(args: argparse.Namespace) -> int:
   from rft_jax.models import load_tokenizer, save_hf
 
@@ -109,44 +123,61 @@ def _export(args: argparse.Namespace) -> int:
   model, cfg, step = _restore_model(args.run_dir, args.step)
   if not all_finite(nnx.state(model, nnx.Param)):
     raise NonFiniteError(f"step {step} of {args.run_dir} holds NaN or infinite parameters; not exporting")
-  save_hf(model, args.out, tokenizer=load_tokenizer(cfg.model.path))
-  print(f"exported step {step} of {args.run_dir} to {args.out}")
+  dtype = args.dtype or _checkpoint_dtype(cfg.model.path) or cfg.model.param_dtype
+  save_hf(model, args.out, tokenizer=load_tokenizer(cfg.model.path), dtype=dtype, source=cfg.model.path)
+  print(f"exported step {step} of {args.run_dir} to {args.out} ({dtype})")
   return 0
 
 
-def _sample_problems(args: argparse.Namespace):
-  """Loads the model (HF directory or run directory) and data, samples k answers each, with
-  the run's prompt (instruction, system prompt) or, for an HF directory, the defaults;
-  ``--instruction`` / ``--system-prompt`` override either."""
+def _sample_problems(args: argparse.Namespace, completions: bool = False):
+  """Loads the model (HF directory or run directory) and data, samples k answers each.
+
+  A run directory gives the defaults: its prompt (instruction, system prompt), data format,
+  longest answer (``eval.max_new_tokens``, else ``sampling.max_new_tokens``) and reward; for an
+  HF directory they are the training defaults. The command's options override either."""
   import dataclasses
   import os
 
-  from rft_jax.data import load_math_dataset
+  from rft_jax.data import FORMATS, load_math_dataset
   from rft_jax.models import load_hf, load_tokenizer
   from rft_jax.rewards import RewardConfig
-  from rft_jax.train.config import DataConfig
+  from rft_jax.train.config import ConfigError, DataConfig
   from rft_jax.train.evaluate import evaluate
   from rft_jax.train.loop import prompt_ids, stop_token_ids
+  from rft_jax.train.resolve import reward_config
 
+  if args.format is not None and args.format not in FORMATS:
+    raise ConfigError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
   if os.path.exists(os.path.join(args.model, "checkpoints")):
     model, cfg, _ = _restore_model(args.model, args.step)
     tokenizer, data = load_tokenizer(cfg.model.path), cfg.data
+    max_new_tokens = cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
   else:
-    model, tokenizer, data = load_hf(args.model), load_tokenizer(args.model), DataConfig()
+    model, tokenizer, data, cfg = load_hf(args.model), load_tokenizer(args.model), DataConfig(), None
+    max_new_tokens = 1024
   overrides = {"instruction": args.instruction, "system_prompt": args.system_prompt}
   data = dataclasses.replace(data, **{k: v for k, v in overrides.items() if v is not None})
-  problems, _ = load_math_dataset(args.data, args.format, on_bad_row="skip")
+  problems, _ = load_math_dataset(args.data, args.format or (data.format if cfg else "jsonl"), on_bad_row="skip")
+  rewards = reward_config(cfg, [p.question for p in problems]) if cfg else RewardConfig()
   result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature,
-                    max_new_tokens=args.max_new_tokens, stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id),
-                    rewards=RewardConfig(), prompt_fn=lambda q: prompt_ids(tokenizer, data, q), seed=args.seed)
+                    max_new_tokens=args.max_new_tokens or max_new_tokens,
+                    stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id), rewards=rewards,
+                    prompt_fn=lambda q: prompt_ids(tokenizer, data, q), seed=args.seed, completions=completions)
   return problems, result
 
 
 def _eval(args: argparse.Namespace) -> int:
   import json
 
-  problems, result = _sample_problems(args)
+  problems, result = _sample_problems(args, completions=bool(args.save_completions))
   summary = {f"avg@{args.k}": result["avg"], f"pass@{args.k}": result["pass"], "problems": len(problems)}
+  if args.save_completions:
+    from rft_jax.train.metrics_log import JsonlFile
+
+    out = JsonlFile(args.save_completions)
+    out.write(result["completions"])
+    out.close()
+    summary["completions"] = args.save_completions
   print(json.dumps(summary))
   if args.histogram:
     from rft_jax.eval import plot_pass_rate_histogram
@@ -162,9 +193,10 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-  from rft_jax.demo.run import run_demo
+  from rft_jax.demo.run import run_demo, split_variants
 
-  run_demo(args.config, args.overrides)
+  variants, overrides = split_variants(args.overrides)
+  run_demo(args.config, overrides, variants)
   return 0
 
 
@@ -283,26 +315,34 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6")
   train.set_defaults(func=_train)
 
-  demo = sub.add_parser("demo", help="GRPO vs Clip_B vs Clip_V on the embedded synthetic task")
+  demo = sub.add_parser("demo", help="GRPO vs Clip_B vs Clip_V (or other methods: variants=...) on the "
+                                     "embedded synthetic task")
   demo.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
                                                            "read against the repository root")
-  demo.add_argument("overrides", nargs="*", help="dotted overrides for all three runs, e.g. steps=10")
+  demo.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. steps=10; "
+                    "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely picks the runs "
+                    "(default grpo,clip_b,clip_v)")
   demo.set_defaults(func=_demo)
 
   export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
   export.add_argument("run_dir", help="the run directory (with checkpoints/ and config.yaml)")
   export.add_argument("out", help="HF directory to write")
   export.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  export.add_argument("--dtype", choices=("float32", "bfloat16"),
+                      help="dtype of the written weights (default: the source checkpoint's, as its "
+                           "config.json says; else the run's model.param_dtype)")
   export.set_defaults(func=_export)
 
   def sampling_args(p, k, temperature):
     p.add_argument("--model", required=True, help="HF model directory or a run directory")
     p.add_argument("--step", type=int, help="checkpoint step of a run directory (default: latest)")
     p.add_argument("--data", required=True, help="questions: a local file or save_to_disk directory")
-    p.add_argument("--format", default="jsonl", help="dapo_math_17k, aime_2024, aime_2025 or jsonl")
+    p.add_argument("--format", help="dapo_math_17k, aime_2024, aime_2025 or jsonl (default: a run's "
+                                    "data.format, else jsonl)")
     p.add_argument("--k", type=int, default=k, help="samples per question")
     p.add_argument("--temperature", type=float, default=temperature, help="sampling temperature")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer, in tokens")
+    p.add_argument("--max-new-tokens", type=int, help="longest answer, in tokens (default: a run's "
+                                                      "eval.max_new_tokens or sampling.max_new_tokens, else 1024)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--instruction", help="appended to every question (default: the run's data.instruction, "
                                          "or the training default for an HF directory; '' for none)")
@@ -311,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
   evaluate = sub.add_parser("eval", help="Avg@K / Pass@K of a run's checkpoint or an HF directory")
   sampling_args(evaluate, 8, 0.7)
   evaluate.add_argument("--histogram", help="write the per-problem pass-rate histogram PNG here")
+  evaluate.add_argument("--save-completions", metavar="PATH",
+                        help="write every sampled answer with its score here (JSONL)")
   evaluate.set_defaults(func=_eval)
 
   filt = sub.add_parser("filter", help="drop questions with pass rate <= 1/16 or >= 15/16")

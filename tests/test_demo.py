@@ -4,8 +4,9 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
-from rft_jax.demo.run import run_demo
+from rft_jax.demo.run import DEFAULT_VARIANTS, run_demo, split_variants
 from rft_jax.models import load_hf
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -26,12 +27,20 @@ def test_short_demo_prints_a_table_and_draws_plots(tmp_path, capsys):
                "progress=false", "data.prompts_per_step=8", "learner.micro_batch_size=64",
                f"compilation_cache_dir={cache}"]
   try:
-    summaries = run_demo(os.path.join(ROOT, "configs", "demo.yaml"), overrides, variants=("grpo", "clip_b"))
+    variants, overrides = split_variants([*overrides, "variants=clip_b,unlikely"])
+    summaries = run_demo(os.path.join(ROOT, "configs", "demo.yaml"), overrides, variants=variants)
   finally:  # the cache setting is process-wide: later tests compile without it
     jax.config.update("jax_compilation_cache_dir", None)
   assert len(os.listdir(cache)) >= 3  # sampler, learner and evaluation programs were kept
   out = capsys.readouterr().out
-  assert "variant" in out and "clip_b" in out and "Avg@" in out
+  assert "variant" in out and "clip_b" in out and "unlikely" in out and "Avg@" in out
   for s in summaries.values():
     assert 0 <= s["heldout_avg"] <= s["heldout_pass"] <= 1 and np.isfinite(s["entropy_final"])
   assert os.path.getsize(tmp_path / "demo.png") > 10_000
+
+
+def test_demo_variants_are_chosen_by_name():
+  assert split_variants(["steps=3"]) == (DEFAULT_VARIANTS, ["steps=3"])
+  assert split_variants(["variants=grpo,kl_cov", "steps=3"]) == (("grpo", "kl_cov"), ["steps=3"])
+  with pytest.raises(ValueError, match="unknown variant.*'klcov'.*choose from grpo, clip_b"):
+    split_variants(["variants=grpo,klcov"])

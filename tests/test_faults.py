@@ -145,9 +145,28 @@ def test_a_real_full_disk_ends_the_run_promptly(setup, tmp_path):
 # --- 2. --no-resume never mixes two runs --------------------------------------------------------
 
 
+def tensorboard_scalars(run):
+  """``(step, tag)`` of every scalar in a run's TensorBoard event files."""
+  from tensorboardX.proto.event_pb2 import Event
+
+  scalars = []
+  for f in (run / "tensorboard").iterdir():
+    data = f.read_bytes()
+    while data:  # TFRecord: length (8), its crc (4), the event, its crc (4)
+      n = int.from_bytes(data[:8], "little")
+      event = Event.FromString(data[12:12 + n])
+      scalars += [(event.step, v.tag) for v in event.summary.value]
+      data = data[16 + n:]
+  return scalars
+
+
 def test_no_resume_refuses_an_earlier_run_and_overwrite_replaces_it(setup, tmp_path, capsys):
   run = tmp_path / "run"
   assert cli.main(args(setup, run, 2, "checkpoint_every=1")) == 0
+  # TensorBoard holds every scalar of every step, as metrics.jsonl does
+  expected = [(r["step"], k) for r in read_metrics(str(run)) for k, v in r.items()
+              if k not in ("step", "time") and v is not None and np.isfinite(v)]
+  assert sorted(tensorboard_scalars(run)) == sorted(expected)
   before = (run / "metrics.jsonl").read_text()
   cmd = args(setup, run, 1)
   assert cli.main([*cmd[:3], "--no-resume", *cmd[3:]]) == 1  # a flag among the overrides
@@ -190,13 +209,29 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_and_are_never_saved(setup
   assert not (run / "checkpoints").exists() or steps_of(run) == []  # never saved
 
 
-def test_export_refuses_nonfinite_parameters(setup, tmp_path, capsys):
+# --- 4. one trainer per run directory -----------------------------------------------------------
+
+
+def test_a_second_trainer_is_refused_with_the_holders_pid_and_export_checks_the_run(setup, tmp_path, capsys):
+  run = tmp_path / "run"
+  with RunDirLock(str(run)):
+    assert cli.main(args(setup, run, 1)) == 1
+  err = capsys.readouterr().err
+  assert f"{run} is in use by another trainer (process {os.getpid()} on" in err
+  assert not (run / "metrics.jsonl").exists()
+  (run / "trainer.lock").write_text("999999 on a-dead-host\n")  # a lock left by a killed trainer
+  assert cli.main(args(setup, run, 1)) == 0
+  capsys.readouterr()
+  export_refuses_nonfinite_parameters(run, tmp_path, capsys)
+
+
+def export_refuses_nonfinite_parameters(run, tmp_path, capsys):
+  """``rft-jax export`` of a run whose latest checkpoint (written past the checks, as an older or
+  foreign one could be) holds NaN parameters: refused, naming the step; nothing written."""
   import jax
 
   from rft_jax.train.checkpoint import RunCheckpointer
 
-  run = tmp_path / "run"
-  assert cli.main(args(setup, run, 1)) == 0
   checkpointer = RunCheckpointer(str(run / "checkpoints"))
   from rft_jax.models import load_hf
   from rft_jax.rl.learner import Learner
@@ -213,20 +248,6 @@ def test_export_refuses_nonfinite_parameters(setup, tmp_path, capsys):
   checkpointer.close()
   assert cli.main(["export", str(run), str(tmp_path / "hf")]) == 1
   assert "step 2" in capsys.readouterr().err and not (tmp_path / "hf").exists()
-
-
-# --- 4. one trainer per run directory -----------------------------------------------------------
-
-
-def test_a_second_trainer_is_refused_with_the_holders_pid(setup, tmp_path, capsys):
-  run = tmp_path / "run"
-  with RunDirLock(str(run)):
-    assert cli.main(args(setup, run, 1)) == 1
-  err = capsys.readouterr().err
-  assert f"{run} is in use by another trainer (process {os.getpid()} on" in err
-  assert not (run / "metrics.jsonl").exists()
-  (run / "trainer.lock").write_text("999999 on a-dead-host\n")  # a lock left by a killed trainer
-  assert cli.main(args(setup, run, 1)) == 0
 
 
 # --- 5. SIGTERM / SIGINT checkpoint the step and stop; a second signal exits at once -----------
@@ -264,14 +285,16 @@ def test_a_second_signal_exits_at_once(setup, tmp_path):
 def test_running_out_of_data_ends_with_a_checkpoint_and_a_message(setup, tmp_path, capsys):
   run = tmp_path / "run"  # 6 training questions, 2 per step: one epoch is 3 steps
   assert cli.main(args(setup, run, 10, "data.epochs=1")) == 0
-  assert "the training data ran out (data.epochs=1) before step 3" in capsys.readouterr().err
+  out = capsys.readouterr()
+  assert "the training data ran out (data.epochs=1) before step 3" in out.err
+  assert "stopped after 3 of 10 steps (the training data ran out)" in out.out
   assert steps_of(run) == [3] and len(read_metrics(str(run))) == 3
 
 
 def test_an_evaluation_that_fails_leaves_a_checkpoint_of_the_steps_before_it(setup, tmp_path, monkeypatch):
   from rft_jax.train import loop
 
-  def broken(run, state):
+  def broken(run, state, completions=None):
     raise RuntimeError("evaluation set vanished")
 
   monkeypatch.setattr(loop, "evaluate_problems", broken)
@@ -364,24 +387,3 @@ def test_a_checksum_changes_with_one_flipped_bit_or_moved_values():
   flipped_sums = state_checksums({"a": jnp.asarray(flipped), "b": b})
   assert flipped_sums["['a']"] != sums["['a']"] and flipped_sums["['b']"] == sums["['b']"]
   assert state_checksums({"a": jnp.asarray(a[::-1].copy()), "b": b})["['a']"] != sums["['a']"]  # moved
-
-
-# --- 10. TensorBoard holds every scalar of every checkpointed step ------------------------------
-
-
-def test_tensorboard_has_every_scalar_of_the_run(setup, tmp_path):
-  from tensorboardX.proto.event_pb2 import Event
-
-  run = tmp_path / "run"
-  assert cli.main(args(setup, run, 2, "checkpoint_every=1")) == 0
-  scalars = []
-  for f in (run / "tensorboard").iterdir():
-    data = f.read_bytes()
-    while data:  # TFRecord: length (8), its crc (4), the event, its crc (4)
-      n = int.from_bytes(data[:8], "little")
-      event = Event.FromString(data[12:12 + n])
-      scalars += [(event.step, v.tag) for v in event.summary.value]
-      data = data[16 + n:]
-  expected = [(r["step"], k) for r in read_metrics(str(run)) for k, v in r.items()
-              if k not in ("step", "time") and v is not None and np.isfinite(v)]
-  assert sorted(scalars) == sorted(expected)

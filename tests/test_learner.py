@@ -334,8 +334,8 @@ def test_first_response_column_is_the_first_completion_column_rounded_down():
   assert first_response_column(np.zeros((3, 80))) == 0
 
 
-@pytest.mark.parametrize("micro,loss_agg", [(16, "token-mean"), (4, "token-mean"),
-                                            (4, "seq-mean-token-sum-norm")])  # 16: the single-pass step
+@pytest.mark.parametrize("micro,loss_agg", [(16, "token-mean"),  # the single-pass step
+                                            (4, "seq-mean-token-sum-norm")])  # micro-batches
 def test_completion_only_statistics_equal_full_width(tiny, micro, loss_agg):
   """Statistics, log p, loss and update from the first completion column (4) on, as Learner.step
   computes them, equal those of every position on completion tokens (to float32 rounding);
@@ -352,9 +352,11 @@ def test_completion_only_statistics_equal_full_width(tiny, micro, loss_agg):
     np.testing.assert_allclose(a, b[:, PROMPT - 1:], rtol=1e-5, atol=1e-6, err_msg=name)
   step = jax.jit(learner._train_step_fn, static_argnums=3)
   results = [step(learner.init(fresh_model(tiny)), batch, None, column) for column in (0, PROMPT)]
-  (s1, m1), (s2, m2) = results
+  (s1, m1, r1), (s2, m2, r2) = results
   assert float(m1["mask_frac"]) > 0
   for key in m1:
     assert float(m1[key]) == pytest.approx(float(m2[key]), rel=1e-5, abs=1e-7), key
+  for key in r1:  # per-completion statistics (rollouts.jsonl)
+    np.testing.assert_allclose(r1[key], r2[key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5)

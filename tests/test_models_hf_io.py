@@ -247,3 +247,24 @@ def test_save_hf_writes_tokenizer(ckpt, tmp_path):
   out = save_hf(load_hf(ckpt), tmp_path / "with_tok", tokenizer=tok)
   again = load_tokenizer(out)
   assert apply_chat_template(again, "what") == apply_chat_template(tok, "what")
+
+
+def test_export_keeps_the_sources_config_fields_and_generation_config_and_casts(tmp_path):
+  """``save_hf(..., source=..., dtype="bfloat16")``: the source's pad_token_id and sampling defaults
+  survive, the weights are bfloat16 and transformers gives the float32 model's logits to bf16
+  rounding."""
+  src = make_tiny_qwen(tmp_path, "qwen3", kv_heads=2)
+  config = read_json(src / "config.json")
+  config["pad_token_id"] = 3
+  (src / "config.json").write_text(json.dumps(config))
+  generation = {"bos_token_id": 1, "eos_token_id": [2, 5], "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+  (src / "generation_config.json").write_text(json.dumps(generation))
+  out = save_hf(load_hf(src), tmp_path / "out", dtype="bfloat16", source=src)
+  written = read_json(out / "config.json")
+  assert written["pad_token_id"] == 3 and written["torch_dtype"] == written["dtype"] == "bfloat16"
+  assert read_json(out / "generation_config.json") == generation
+  assert {v.dtype.name for v in load_file(out / "model.safetensors").values()} == {"bfloat16"}
+  ids = _ids()
+  np.testing.assert_allclose(hf_logits(hf_model(out), ids), hf_logits(hf_model(src), ids), atol=0.1)
+  plain = read_json(save_hf(load_hf(src), tmp_path / "plain") / "config.json")
+  assert "pad_token_id" not in plain and plain["torch_dtype"] == "float32"  # no source: the model's own

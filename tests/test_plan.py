@@ -72,7 +72,7 @@ def test_plan_counts_the_kl_reference(tmp_path):
   config, _ = _setup(tmp_path)
   topo = topology("cpu:8")
   reports = {dtype: plan(load_config(config, ["learner.kl_coef=0.1", f"learner.ref_dtype={dtype}"],
-                                     required=()), topo)
+                                     required=()), topo, sampler=dtype == "float32")
              for dtype in ("float32", "bfloat16")}
   params = reports["float32"]["learner"]["parameter_bytes"]
   assert reports["float32"]["learner"]["reference_bytes"] == params
@@ -82,7 +82,7 @@ def test_plan_counts_the_kl_reference(tmp_path):
 
 
 def test_learner_step_memory_grows_linearly_in_length(tmp_path):
-  """The compiled learner step (remat, 2 rows) at T = 1k, 4k, 8k: its temporaries about double
+  """The compiled learner step (remat, 2 rows) at T = 4k and 8k: its temporaries about double
   from 4k to 8k with the blockwise attention; with the materialised einsum they quadruple."""
   from rft_jax.train.config import load_config
   from rft_jax.train.plan import plan, topology
@@ -96,13 +96,13 @@ def test_learner_step_memory_grows_linearly_in_length(tmp_path):
                       required=())
     return plan(cfg, topology("cpu:1"), sampler=False)["learner"]["temp_bytes"]
 
-  blockwise = [temp(t, "blockwise") for t in (1024, 4096, 8192)]
+  blockwise = [temp(t, "blockwise") for t in (4096, 8192)]
   einsum = [temp(t, "reference") for t in (4096, 8192)]
-  print(f"\n[learner temp MiB at T=1k/4k/8k] blockwise {[b >> 20 for b in blockwise]}, "
-        f"einsum at 4k/8k {[b >> 20 for b in einsum]}")
-  assert blockwise[2] / blockwise[1] < 2.5 and blockwise[1] / blockwise[0] < 4 * 1.25
+  print(f"\n[learner temp MiB at T=4k/8k] blockwise {[b >> 20 for b in blockwise]}, "
+        f"einsum {[b >> 20 for b in einsum]}")
+  assert blockwise[1] / blockwise[0] < 2.5
   assert einsum[1] / einsum[0] > 3.5  # the check tells quadratic from linear
-  assert blockwise[2] < einsum[1] / 4
+  assert blockwise[1] < einsum[1] / 4
 
 
 def test_layout_warnings_name_what_is_replicated():

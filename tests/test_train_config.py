@@ -61,6 +61,12 @@ def test_shipped_configs_load_once_paths_are_set(path):
   assert cfg.data.prompts_per_step == 64 and cfg.learner.lr == 4e-7
   assert cfg.sampling.temperature == 1.0 and cfg.eval.temperature == 0.7
   assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)
+  name = os.path.basename(path)[:-len(".yaml")].split("b_", 1)[1]  # qwen2_5_7b_kl_cov: kl_cov
+  method = ("entropy_mask", name) if name in ("clip_b", "clip_v") else ("entropy_method", name)
+  if name == "unlikely":
+    assert cfg.learner.beta_rank == 0.25 and cfg.learner.entropy_method.kind == "none"
+  elif name != "grpo":
+    assert getattr(cfg.learner, method[0]).kind == method[1]
 
 
 def test_demo_config_loads_and_its_batches_split_on_eight_devices():

@@ -9,7 +9,7 @@ from loop_fixtures import QUESTIONS, make_loop_files, overrides
 from rft_jax import cli
 from rft_jax.train.config import load_config
 from rft_jax.train.loop import train
-from rft_jax.train.metrics_log import read_metrics
+from rft_jax.train.metrics_log import read_jsonl, read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "time_eval", "
 
 def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, monkeypatch):
   run_dir = tmp_path / "run"
-  assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2",
+  assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2", "log_rollouts_every=2",
                                         "eval.at_start=true", "data.instruction=be brief")]) == 0
   start, *records = read_metrics(str(run_dir))
   assert [r["step"] for r in records] == [0, 1, 2]
@@ -39,11 +39,34 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
   assert records[0]["data_prompts_too_long"] == 0 and records[0]["data_train_prompts"] == 6
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
   assert list((run_dir / "tensorboard").iterdir())
+  # completions of steps 0 and 2 (2 prompts x 4 samples each), with the learner's per-completion stats
+  rollouts = read_jsonl(str(run_dir / "rollouts.jsonl"))
+  assert [r["step"] for r in rollouts] == [0] * 8 + [2] * 8
+  assert {r["answer"] for r in rollouts} <= {"0", "1", "2"} and all("be brief" in r["prompt"] for r in rollouts)
+  for r in rollouts:
+    assert 0 < r["entropy_mean"] < np.log(128) and np.isfinite(r["s_star_mean"]) and r["masked_tokens"] == 0
+    assert np.isfinite(r["reward"]) and 1 <= r["length"] <= 6 and isinstance(r["completion"], str)
+  for step in (0, 2):
+    group = [r for r in rollouts if r["step"] == step]
+    # advantages are the group z-scores of the logged rewards (4 samples per prompt)
+    for g in range(2):
+      rewards = np.array([r["reward"] for r in group[4 * g:4 * g + 4]])
+      expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
+      np.testing.assert_allclose([r["advantage"] for r in group[4 * g:4 * g + 4]], expected, atol=1e-5)
+    logged = next(r for r in records if r["step"] == step)
+    assert np.mean([r["reward"] for r in group]) == pytest.approx(logged["reward_mean"])
+  # every evaluation's answers (2 held-out problems x 2 samples), before training and after step 2
+  answers = read_jsonl(str(run_dir / "eval_completions.jsonl"))
+  assert [(r["step"], r["set"]) for r in answers] == [(-1, "val")] * 4 + [(2, "val")] * 4
+  assert np.mean([r["correct"] for r in answers if r["step"] == 2]) == pytest.approx(records[-1]["eval_val_avg@2"])
   assert cli.main(["plot", str(run_dir), "--out", str(tmp_path / "plots.png")]) == 0
   assert (tmp_path / "plots.png").stat().st_size > 10_000
   out = tmp_path / "hf"
   assert cli.main(["export", str(run_dir), str(out)]) == 0
   assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+  # the source checkpoint's dtype (float32 here) and its generation_config.json, as they were
+  assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+  assert (out / "generation_config.json").read_text() == (setup[1] / "generation_config.json").read_text()
 
   # `rft-jax eval` on the run prompts as the run did (its instruction), unless told otherwise
   from rft_jax.models import chat_token_ids, load_tokenizer
@@ -53,7 +76,9 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
   monkeypatch.setattr(evaluate_module, "evaluate", lambda *a, prompt_fn, **kw: prompts.append(prompt_fn("what is ?"))
                       or real(*a, prompt_fn=prompt_fn, **kw))
   common = ["eval", "--model", str(run_dir), "--data", str(setup[2]), "--k", "1", "--max-new-tokens", "2"]
-  assert cli.main(common) == 0 and cli.main([*common, "--instruction", ""]) == 0
+  saved = tmp_path / "answers.jsonl"
+  assert cli.main([*common, "--save-completions", str(saved)]) == 0 and cli.main([*common, "--instruction", ""]) == 0
+  assert [r["question"] for r in read_jsonl(str(saved))] == QUESTIONS and all(r["length"] <= 2 for r in read_jsonl(str(saved)))
   tokenizer = load_tokenizer(str(out))
   assert prompts == [chat_token_ids(tokenizer, "what is ? be brief"), chat_token_ids(tokenizer, "what is ?")]
 

@@ -5,7 +5,9 @@ variants from the same checkpoint and seed, prints a table (held-out Avg@K and p
 on the held-out answers before and after training, Pass@K, training accuracy over the first
 and last quarter of the steps, mask fractions, and the correlation over the steps of the
 Corollary 4 forecast of the entropy change with the measured one) and draws the
-paper-style plots of the three runs into ``RUN_DIR/demo.png``. It runs from any directory
+paper-style plots of the three runs into ``RUN_DIR/demo.png``. ``variants=...`` among the
+overrides runs other :data:`VARIANTS` instead: the methods of the paper's Table 3 (Clip-Cov,
+KL-Cov, forking tokens, the unlikeliness reward) on the same learner. It runs from any directory
 (:mod:`rft_jax.demo.paths`): the default config is the repository's ``configs/demo.yaml``,
 and the runs, their data and the compilation cache go under ``RUN_DIR``.
 """
@@ -17,6 +19,7 @@ import os
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from rft_jax.demo.paths import load_demo_config
@@ -24,6 +27,7 @@ from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_
 from rft_jax.train.loop import build_run, train
 from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.plots import forecast_correlation, plot_runs
+from rft_jax.train.preflight import validate_for_training
 
 VARIANTS = {
     "grpo": ["learner.entropy_mask.kind=none"],
@@ -33,7 +37,29 @@ VARIANTS = {
     # does not bind (the cut masks ~0.4%: benchmarks/demo_mask_forecast.py).
     "clip_b": ["learner.entropy_mask.kind=clip_b"],
     "clip_v": ["learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"],
+    # The paper's Table 3 comparisons (rft_jax.rl.entropy_methods). Clip-Cov and KL-Cov keep verl's
+    # covariance bounds and coefficient; their token shares are raised from verl's 2e-4 (under
+    # one token of a demo batch) to 0.2% (about 5 tokens), as Clip_V's cap is above.
+    "clip_cov": ["learner.entropy_method.kind=clip_cov", "learner.entropy_method.clip_cov_ratio=0.002"],
+    "kl_cov": ["learner.entropy_method.kind=kl_cov", "learner.entropy_method.kl_cov_ratio=0.002"],
+    "forking": ["learner.entropy_method.kind=forking"],  # the top 20% of tokens by entropy
+    "unlikely": ["learner.beta_rank=0.25"],  # the authors' released recipe
 }
+DEFAULT_VARIANTS = ("grpo", "clip_b", "clip_v")
+
+
+def split_variants(overrides: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
+  """``variants=a,b`` among the demo's overrides: the variants to run (default
+  :data:`DEFAULT_VARIANTS`) and the other overrides."""
+  chosen = [o for o in overrides if o.startswith("variants=")]
+  rest = [o for o in overrides if not o.startswith("variants=")]
+  if not chosen:
+    return DEFAULT_VARIANTS, rest
+  names = tuple(n.strip() for n in chosen[-1].split("=", 1)[1].split(",") if n.strip())
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown or not names:
+    raise ValueError(f"{chosen[-1]!r}: unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+  return names, rest
 
 
 def write_demo_data(data_dir: str, train_size: int = 4000, heldout_size: int = HELDOUT_SIZE) -> tuple[str, str]:
@@ -54,7 +80,7 @@ def build_demo_run(root: str, overrides: Sequence[str] = ()):
   train_path, _ = write_demo_data(os.path.join(root, "data"))
   cfg = load_demo_config(None, [f"run_dir={root}", f"data.train_path={train_path}", "eval.every=0",
                                 "progress=false", *overrides])
-  return (cfg, *build_run(cfg))
+  return (cfg, *build_run(cfg, validate_for_training(cfg, jax.device_count())))
 
 
 def _summary(run_dir: str) -> dict[str, float]:
@@ -72,7 +98,7 @@ def _summary(run_dir: str) -> dict[str, float]:
       "heldout_pass": score(evals[-1], "pass@") if evals else float("nan"),
       "entropy_start": score(start, "_entropy"),
       "entropy_final": score(evals[-1], "_entropy") if evals else float("nan"),
-      "mask_frac": float(np.mean([r["mask_frac"] for r in steps])),
+      "mask_frac": float(np.mean([r.get("method_frac", r["mask_frac"]) for r in steps])),
       "mask_frac_negative": float(np.mean([r["mask_frac_negative"] for r in steps])),
       "acc_start": float(np.mean([r["accuracy"] for r in steps[:quarter]])),
       "acc_end": float(np.mean([r["accuracy"] for r in steps[-quarter:]])),
@@ -81,7 +107,7 @@ def _summary(run_dir: str) -> dict[str, float]:
 
 
 def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
-             variants: Sequence[str] = tuple(VARIANTS)) -> dict[str, dict[str, float]]:
+             variants: Sequence[str] = DEFAULT_VARIANTS) -> dict[str, dict[str, float]]:
   """Runs the variants and returns their summaries (also printed and plotted).
 
   ``config_path``: default the repository's ``configs/demo.yaml``
@@ -103,12 +129,12 @@ def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
   print(f"\nrft-jax demo: {base.steps} steps x {base.data.prompts_per_step} prompts x {base.sampling.n} samples "
         f"per variant, {time.time() - start:.0f} s")
   header = (f"{'variant':<8} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
-            f"{'held-out entropy start -> end':>30} {'mask %':>7} {'mask % neg':>10} "
+            f"{'held-out entropy start -> end':>30} {'tokens %':>8} {'mask % neg':>10} "
             f"{'train acc first -> last quarter':>32} {'forecast r':>10}")
   print(header)
   for name, s in summaries.items():
     print(f"{name:<8} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
-          f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>7.3f} "
+          f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>8.3f} "
           f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f} "
           f"{s['forecast_r']:>10.2f}")
   plot = plot_runs([os.path.join(base.run_dir, v) for v in variants], os.path.join(base.run_dir, "demo.png"))

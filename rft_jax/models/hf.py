@@ -163,13 +163,21 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
   return nnx.merge(graphdef, state)
 
 
+def _json_or_empty(file: Path) -> dict:
+  """A JSON file's object, or ``{}`` when there is no such file."""
+  return json.loads(file.read_text()) if file.is_file() else {}
+
+
 def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-            tokenizer: Any = None) -> Path:
+            tokenizer: Any = None, dtype: str | None = None, source: str | Path | None = None) -> Path:
   """Writes ``model`` as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
 
-  Writes ``config.json``, ``generation_config.json`` and safetensors in the parameter dtype
-  (split into shards of at most ``max_shard_bytes`` with an index when larger); a tied model
-  has no ``lm_head.weight``. ``tokenizer`` (optional) is saved alongside.
+  Writes ``config.json``, ``generation_config.json`` and safetensors in ``dtype`` (default: the
+  parameter dtype; ``bfloat16`` halves a float32 master copy), split into shards of at most
+  ``max_shard_bytes`` with an index when larger; a tied model has no ``lm_head.weight``.
+  ``tokenizer`` (optional) is saved alongside. ``source``: the HF directory the model came from;
+  the fields of its ``config.json`` that the model does not define (``pad_token_id``, ...) are
+  kept, and its ``generation_config.json`` (sampling defaults, stop tokens) is copied as it is.
 
   Raises:
     CheckpointError: the model holds parameters the key table does not know.
@@ -184,23 +192,25 @@ def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX
   if unmapped:
     raise CheckpointError(f"save_hf: parameters with no Hugging Face name: {unmapped}")
 
+  # The dtype of the tensors as written (a model may have been cast after it was built).
+  written = jnp.dtype(dtype) if dtype else variables[("embed_tokens",)].get_value().dtype
+
   def fetch(name: str) -> np.ndarray:
     spec = expected[name]
     array = variables[spec.rule.nnx].get_value()
     if spec.layer is not None:
       array = array[spec.layer]
-    return hf_keys.to_hf(np.asarray(jax.device_get(array)), spec)
+    return hf_keys.to_hf(np.asarray(jax.device_get(array.astype(written))), spec)
 
-  sizes = {name: math.prod(s.hf_shape) * variables[s.rule.nnx].get_value().dtype.itemsize
-           for name, s in expected.items()}
+  sizes = {name: math.prod(s.hf_shape) * written.itemsize for name, s in expected.items()}
   safetensors_io.write_sharded(path, sizes, fetch, max_shard_bytes)
-  hf_config = config.to_hf_dict()
-  # The dtype of the tensors as written (a model may have been cast after it was built).
-  written = variables[("embed_tokens",)].get_value().dtype.name
-  hf_config["dtype"] = hf_config["torch_dtype"] = written
+  source_config = _json_or_empty(Path(source) / CONFIG_FILE) if source else {}
+  hf_config = {**source_config, **config.to_hf_dict()}
+  hf_config["dtype"] = hf_config["torch_dtype"] = written.name
   (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-  generation = {"bos_token_id": hf_config["bos_token_id"],
-                "eos_token_id": hf_config["eos_token_id"]}
+  generation = _json_or_empty(Path(source) / GENERATION_CONFIG_FILE) if source else {}
+  generation = generation or {"bos_token_id": hf_config["bos_token_id"],
+                              "eos_token_id": hf_config["eos_token_id"]}
   (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
   if tokenizer is not None:
     tokenizer.save_pretrained(str(path))

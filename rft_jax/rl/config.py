@@ -13,9 +13,12 @@ from typing import Optional
 from rft_jax.entropy.clipping import CLIP_B_MU_LOW, CLIP_V_MAX_FRAC, CLIP_V_MU_LOW, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
 from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
+from rft_jax.rl.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
+from rft_jax.rl.forking_tokens import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 
 ENTROPY_MASKS = ("none", "clip_b", "clip_v", "sign")
+ENTROPY_METHODS = ("none", "clip_cov", "kl_cov", "forking")
 SCHEDULES = ("constant", "warmup_cosine")
 REF_DTYPES = (None, *DTYPES)
 
@@ -92,6 +95,39 @@ class EntropyMaskConfig:
 
 
 @dataclasses.dataclass
+class EntropyMethodConfig:
+  """One of the entropy methods the paper compares with (``rft_jax.rl.entropy_methods``).
+
+  Attributes:
+    kind: ``none``, ``clip_cov`` or ``kl_cov`` (Cui et al. 2025), ``forking`` (Wang et al. 2025).
+    clip_cov_ratio / clip_cov_lb / clip_cov_ub: Clip-Cov's share of tokens and its open covariance
+      bounds (verl 0.9.1 defaults 2e-4, 1, 5).
+    kl_cov_ratio / kl_cov_coef: KL-Cov's share of tokens and its coefficient (verl 0.9.1: 2e-4, 0.1).
+    forking_rho: the share of highest-entropy tokens that keep their gradient (the paper's 0.2).
+  """
+
+  kind: str = "none"
+  clip_cov_ratio: float = CLIP_COV_RATIO
+  clip_cov_lb: float = CLIP_COV_LB
+  clip_cov_ub: float = CLIP_COV_UB
+  kl_cov_ratio: float = KL_COV_RATIO
+  kl_cov_coef: float = KL_COV_COEF
+  forking_rho: float = FORKING_RHO
+
+  def __post_init__(self):
+    _finite_numbers("entropy_method", self)
+    _choice("entropy_method.kind", self.kind, ENTROPY_METHODS)
+    for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_rho"):
+      value = getattr(self, name)
+      if not 0 < value <= 1:
+        raise ValueError(f"entropy_method.{name} must be in (0, 1], got {value!r}")
+    _positive("entropy_method.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
+    if self.clip_cov_lb >= self.clip_cov_ub:
+      raise ValueError(f"entropy_method.clip_cov_lb={self.clip_cov_lb} must be below "
+                       f"clip_cov_ub={self.clip_cov_ub}")
+
+
+@dataclasses.dataclass
 class LearnerConfig:
   """The GRPO learner.
 
@@ -107,6 +143,10 @@ class LearnerConfig:
       memory of a float32 copy) or None (the policy parameters' dtype).
     entropy_coef: entropy bonus coefficient (0: off).
     entropy_mask: the Clip_B / Clip_V / sign mask.
+    entropy_method: Clip-Cov, KL-Cov or forking tokens (the paper's Table 3 comparisons).
+    beta_rank: the unlikeliness reward's coefficient (He, Fried, Welleck 2025;
+      ``rft_jax.rl.unlikeliness``): within each group, rewards of correct samples are scaled by
+      ``1 - beta_rank * rank / n`` by likelihood under the sampling policy (0: off).
     lr: learning rate eta, in (0, 1]; schedule ``constant`` or ``warmup_cosine``; warmup_steps;
       total_steps (for the cosine decay); weight_decay; b1, b2: Adam betas; adam_eps: Adam's
       epsilon (a larger one stops Adam from moving parameters whose gradients are only noise
@@ -134,6 +174,8 @@ class LearnerConfig:
   ref_dtype: Optional[str] = None
   entropy_coef: float = 0.0
   entropy_mask: EntropyMaskConfig = dataclasses.field(default_factory=EntropyMaskConfig)
+  entropy_method: EntropyMethodConfig = dataclasses.field(default_factory=EntropyMethodConfig)
+  beta_rank: float = 0.0
   lr: float = 1e-6
   schedule: str = "constant"
   warmup_steps: int = 0
@@ -153,6 +195,8 @@ class LearnerConfig:
   def __post_init__(self):
     if isinstance(self.entropy_mask, dict):
       self.entropy_mask = EntropyMaskConfig(**self.entropy_mask)
+    if isinstance(self.entropy_method, dict):
+      self.entropy_method = EntropyMethodConfig(**self.entropy_method)
     if not 0 < self.lr <= 1:  # also NaN; 1e39 (accepted before) turned every parameter to inf
       raise ValueError(f"learner.lr must be a finite number in (0, 1], got {self.lr!r}")
     _finite_numbers("learner", self)
@@ -169,6 +213,12 @@ class LearnerConfig:
       _positive(f"learner.{name}", getattr(self, name), allow_zero=True)
     if self.dual_clip is not None and self.dual_clip <= 1:
       raise ValueError(f"learner.dual_clip must be > 1, got {self.dual_clip}")
+    if self.dual_clip is not None and self.entropy_method.kind in ("clip_cov", "kl_cov"):
+      raise ValueError(f"learner.dual_clip={self.dual_clip} with entropy_method.kind="
+                       f"{self.entropy_method.kind}: that method's loss (verl's) has no dual clip; "
+                       "set learner.dual_clip=null")
+    if not 0 <= self.beta_rank <= 1:
+      raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
     if self.max_grad_norm is not None:
       _positive("learner.max_grad_norm", self.max_grad_norm)
 

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -60,6 +61,7 @@ from rft_jax.rl.batching import (
 )
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.entropy_mask import entropy_keep_mask
+from rft_jax.rl.entropy_methods import MethodTokens, method_policy_loss, method_tokens
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
 from rft_jax.rl.nonfinite import keep_if_finite
 from rft_jax.rl.optimizer import make_optimizer
@@ -73,7 +75,8 @@ class LearnerBatch:
     input_ids: ``[B, L]`` prompt (left-padded) followed by completion (right-padded).
     attention_mask: ``[B, L]`` 1 on real tokens.
     response_mask: ``[B, L]`` 1 on completion tokens that count in the loss.
-    advantages: ``[B]`` one advantage per completion.
+    advantages: ``[B]`` one advantage per completion (GRPO), or ``[B, L]`` one per token, aligned
+      with ``input_ids`` (PPO's GAE advantages; read on the completion tokens only).
     sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
       ``logp_mismatch`` metric; the entropy mask's S_* with ``entropy_mask.logp_source=sampler``).
     ref_logp: optional ``[B, L]`` log-probs under the reference policy (KL term); None: the
@@ -253,7 +256,11 @@ class Learner:
     mask = micro["loss_mask"]
     terms = ppo_clipped_loss(stats.logp, old_logp, micro["advantages"], eps_low=c.eps_low,
                              eps_high=c.eps_high, dual_clip=c.dual_clip)
-    loss = aggregate_loss(terms.loss, mask, c.loss_agg, normaliser)
+    policy_loss = terms.loss
+    if c.entropy_method.kind != "none":
+      tokens = MethodTokens(micro["method_weight"], micro["method_penalised"])
+      policy_loss = method_policy_loss(c, terms.loss, stats.logp, old_logp, micro["advantages"], mask, tokens)
+    loss = aggregate_loss(policy_loss, mask, c.loss_agg, normaliser)
     if c.kl_coef > 0:
       loss += c.kl_coef * aggregate_loss(kl_penalty(stats.logp, micro["ref_logp"], c.kl_estimator),
                                          mask, c.loss_agg, normaliser)
@@ -274,18 +281,28 @@ class Learner:
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     return self._loss_terms(stats, micro, normaliser, old_logp)
 
-  def _single_pass_loss(self, params, per_token, response, sampler_logp, first_position):
+  def _batch_token_choices(self, stats, per_token, response, sampler_logp, step):
+    """The whole batch's entropy keep-mask and entropy-method tokens (``rft_jax.rl.entropy_mask``,
+    ``rft_jax.rl.entropy_methods``) from the pre-update statistics; adds the loss mask and the
+    method's arrays to ``per_token``. Returns ``(per_token, keep, tokens)``."""
+    keep = entropy_keep_mask(self.config, stats, sampler_logp, per_token["advantages"], response)
+    per_token = dict(per_token, loss_mask=response * keep)
+    tokens = method_tokens(self.config, stats, per_token["advantages"], per_token["loss_mask"], step)
+    if self.config.entropy_method.kind != "none":
+      per_token.update(method_weight=tokens.weight, method_penalised=tokens.penalised)
+    return per_token, keep, tokens
+
+  def _single_pass_loss(self, params, per_token, response, sampler_logp, first_position, step):
     """The loss of a step that is one update on one micro-batch: the pre-update statistics
     (old log-probs, entropy mask) are the stop-gradient of the same forward pass, so the step
     costs one forward and one backward instead of two forwards and a backward."""
     stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
                               entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     fixed = jax.lax.stop_gradient(stats)
-    keep = entropy_keep_mask(self.config, fixed, sampler_logp, per_token["advantages"], response)
-    micro = dict(per_token, loss_mask=response * keep)
+    micro, keep, tokens = self._batch_token_choices(fixed, per_token, response, sampler_logp, step)
     normaliser = self._loss_normaliser(micro["loss_mask"], per_token["input_ids"])
     loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
-    return loss, (counts, fixed, keep)
+    return loss, (counts, fixed, keep, tokens)
 
   def _apply(self, state: TrainState, grads) -> tuple[TrainState, jax.Array]:
     """One optimizer step with ``grads``; returns the new state and the gradient norm."""
@@ -346,7 +363,10 @@ class Learner:
     first_position = first_stats_position(stats_from_column)
     targets = slice(first_position + 1, None)  # the token columns the positions predict
     response = batch.response_mask[:, targets].astype(jnp.float32) * batch.attention_mask[:, targets]
-    advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
+    if batch.advantages.ndim == 2:  # per token, aligned with input_ids
+      advantages = batch.advantages[:, targets].astype(jnp.float32)
+    else:
+      advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
     per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages}
     ref_logp = self._reference_logp(batch, reference, stats_from_column)
     if c.kl_coef > 0:
@@ -356,15 +376,15 @@ class Learner:
 
     if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
-      (loss, (counts, stats, keep)), grads = grad_fn(
-          state.params, per_token, response, sampler_logp, first_position)
+      (loss, (counts, stats, keep, tokens)), grads = grad_fn(
+          state.params, per_token, response, sampler_logp, first_position, state.step)
       state, grad_norm = self._apply(state, grads)
       loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
     else:
       stats = self.batch_stats(state.params, batch, stats_from_column)
-      keep = entropy_keep_mask(c, stats, sampler_logp, advantages, response)
-      loss_mask = response * keep
-      per_token.update(loss_mask=loss_mask, old_logp=stats.logp)
+      per_token, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
+      loss_mask = per_token["loss_mask"]
+      per_token["old_logp"] = stats.logp
       losses, grad_norms = [], []
       counts = None
       updates_done = 0
@@ -400,10 +420,21 @@ class Learner:
         "logp_mismatch": masked_mean(jnp.abs(sampler_logp - stats.logp), valid),
         "response_tokens": jnp.sum(valid),
     }
+    if c.entropy_method.kind != "none":  # the share of loss tokens the method drops or penalises
+      touched = tokens.penalised if c.entropy_method.kind == "kl_cov" else (tokens.weight == 0)
+      metrics["method_frac"] = jnp.sum(touched & (loss_mask > 0)) / jnp.maximum(jnp.sum(loss_mask > 0), 1)
     if ref_logp is not None:  # measured with the pre-update parameters
       metrics["kl"] = masked_mean(kl_penalty(stats.logp, ref_logp, c.kl_estimator), valid)
     state, metrics["nonfinite_skipped"] = keep_if_finite(state, start, losses + grad_norms)
-    return state, metrics
+    return state, metrics, self._row_stats(stats, valid, masked)
+
+  @staticmethod
+  def _row_stats(stats, valid, masked) -> dict[str, jax.Array]:
+    """``[B]`` per-completion statistics of the pre-update pass (what ``rollouts.jsonl`` logs)."""
+    tokens = jnp.maximum(jnp.sum(valid, axis=1), 1)
+    return {"entropy_mean": jnp.sum(jnp.where(valid, stats.entropy, 0.0), axis=1) / tokens,
+            "s_star_mean": jnp.sum(jnp.where(valid, stats.s_star, 0.0), axis=1) / tokens,
+            "masked_tokens": jnp.sum(masked, axis=1)}
 
   def _mean_entropy_fn(self, params, batch: LearnerBatch, stats_from_column: int = 0):
     stats = self.batch_stats(params, batch, stats_from_column)
@@ -425,7 +456,7 @@ class Learner:
     replicated = NamedSharding(self.mesh, PartitionSpec())
     return jax.jit(self._train_step_fn, donate_argnums=0, static_argnums=3,
                    in_shardings=(state_shardings, batch_shardings, reference_shardings),
-                   out_shardings=(state_shardings, replicated))
+                   out_shardings=(state_shardings, replicated, replicated))
 
   def _step_reference(self, batch: LearnerBatch, reference=None, state: TrainState | None = None):
     """The reference parameters a step on ``batch`` takes: None unless ``kl_coef > 0`` and the
@@ -465,8 +496,10 @@ class Learner:
     rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
     return jax.tree.map(lambda x: global_array(x, rows), batch)
 
-  def step(self, state: TrainState, batch: LearnerBatch) -> tuple[TrainState, dict[str, float]]:
-    """One train step. ``state`` is donated: use the returned state afterwards.
+  def step(self, state: TrainState, batch: LearnerBatch, *, rows: bool = False):
+    """One train step: ``(state, metrics)``, and with ``rows`` a third element, ``[B]`` numpy arrays
+    per completion (``entropy_mean``, ``s_star_mean`` over its tokens, ``masked_tokens``: how many
+    the entropy mask removed). ``state`` is donated: use the returned state afterwards.
 
     A step whose loss, gradient norm or updated parameters are not finite returns ``state``'s
     values unchanged, step counter included, with ``metrics["nonfinite_skipped"] == 1.0``.
@@ -483,11 +516,13 @@ class Learner:
     reference = self._step_reference(batch)
     if self._train_step is None:
       self._train_step = self._compile(state, batch, reference)
-    new_state, metrics = self._train_step(state, batch, reference, column)
+    new_state, metrics, row_stats = self._train_step(state, batch, reference, column)
     metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:
       measured = float(host_array(self._mean_entropy(new_state.params, batch, column)))
       metrics["entropy_change_measured"] = measured - metrics["entropy"]
+    if rows:
+      return new_state, metrics, {k: np.asarray(host_array(v)) for k, v in row_stats.items()}
     return new_state, metrics
 
   def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 
 
-def all_finite(scalars: list[jax.Array], tree: Any) -> jax.Array:
-  """Whether every scalar and every entry of every leaf of ``tree`` is finite (a bool scalar)."""
-  finite = jnp.all(jnp.isfinite(jnp.stack(scalars)))
+def all_finite(tree: Any, scalars: tuple[jax.Array, ...] | list[jax.Array] = ()) -> jax.Array:
+  """Whether every scalar and every entry of every floating-point leaf of ``tree`` is finite
+  (a bool scalar; integer leaves are finite by construction)."""
+  finite = jnp.all(jnp.isfinite(jnp.stack(scalars))) if len(scalars) else jnp.bool_(True)
   for leaf in jax.tree.leaves(tree):
-    finite = finite & jnp.all(jnp.isfinite(leaf))
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+      finite = finite & jnp.all(jnp.isfinite(leaf))
   return finite
 
 
@@ -36,7 +38,7 @@ def keep_if_finite(new: Any, start: Any, scalars: list[jax.Array]) -> tuple[Any,
     The state, selected inside the compiled step (no host round trip), and
     ``nonfinite_skipped``: float32 1.0 for a skipped step, 0.0 otherwise.
   """
-  finite = all_finite(scalars, new.params)
+  finite = all_finite(new.params, scalars)
   params, opt_state = jax.tree.map(lambda n, s: jnp.where(finite, n, s),
                                    (new.params, new.opt_state), (start.params, start.opt_state))
   state = new.replace(params=params, opt_state=opt_state,

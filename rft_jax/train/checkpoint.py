@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from rft_jax.parallel import host_array, is_main_process, sync_processes
+from rft_jax.rl import nonfinite
 from rft_jax.train.errors import CorruptCheckpointError, NonFiniteError, WriteError
 
 
@@ -59,10 +60,7 @@ def state_checksums(state: Any) -> dict[str, int]:
           for path, value in jax.tree_util.tree_leaves_with_path(sums)}
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                            if jnp.issubdtype(x.dtype, jnp.inexact)]))
+_all_finite = jax.jit(nonfinite.all_finite)
 
 
 def all_finite(tree: Any) -> bool:

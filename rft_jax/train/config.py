@@ -132,13 +132,15 @@ class EvalConfig:
   """Evaluation every ``every`` steps (0: never) at ``temperature`` (the paper: 0.7).
 
   ``sets`` lists extra sets (e.g. AIME with k=32); the held-out validation split is
-  evaluated with ``val_k`` samples when ``data.val_size > 0``. ``at_start`` also evaluates
+  evaluated with ``val_k`` samples when ``data.val_size > 0``. ``save_completions`` writes every
+  sampled answer, with its score, to ``RUN_DIR/eval_completions.jsonl``. ``at_start`` also evaluates
   the starting policy of a fresh run, logged as step -1 (the evaluation after step ``s`` is
   logged at step ``s``, so step -1 is "after no update").
   """
 
   every: int = 0
   at_start: bool = False
+  save_completions: bool = True
   temperature: float = 0.7
   max_new_tokens: Optional[int] = None
   val_k: int = 8
@@ -148,6 +150,11 @@ class EvalConfig:
   def __post_init__(self):
     if self.val_k < 1:
       raise ConfigError(f"eval.val_k={self.val_k} must be >= 1")
+    names = [s.name for s in self.sets]
+    for name in names:
+      if names.count(name) > 1 or name == "val":
+        raise ConfigError(f"eval.sets: the name {name!r} is " + ("used twice" if name != "val" else
+                          "the held-out validation split's") + "; each set's metrics are named after it")
 
 
 @dataclasses.dataclass
@@ -181,6 +188,9 @@ class TrainConfig:
     max_nonfinite_steps: the run stops with an error after this many consecutive steps whose
       loss or gradient norm was not finite (each such step is skipped: parameters and
       optimizer state unchanged).
+    log_rollouts_every: every this many steps (0: never), the step's completions go to
+      ``RUN_DIR/rollouts.jsonl``: prompt, completion, answer, reward, advantage, and the
+      completion's mean entropy, mean S_* and entropy-masked token count.
 
   Checks that need files or the device count (paths, row counts, the data-parallel split)
   are :func:`rft_jax.train.preflight.validate_for_training`'s, run before the model loads.
@@ -203,6 +213,7 @@ class TrainConfig:
   progress: bool = True
   compilation_cache_dir: str = ""
   max_nonfinite_steps: int = 3
+  log_rollouts_every: int = 10
 
   def __post_init__(self):
     if self.model.dtype not in ("float32", "bfloat16") or self.model.param_dtype not in ("float32", "bfloat16"):

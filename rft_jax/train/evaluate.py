@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from rft_jax.data import MathExample, load_math_dataset, tokenize_prompts
+from rft_jax.data import MathExample, tokenize_prompts
 from rft_jax.entropy import token_stats
 from rft_jax.eval import avg_at_k, pass_at_k_from_samples
 from rft_jax.parallel import global_array, host_array
@@ -31,17 +31,20 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
              max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, prompt_fn,
              seed: int = 0, mesh=None, max_prompt_len: int = 4096, batch_prompts: int = 64,
              entropy_temperature: float | None = None, entropy_rows: int = 16,
-             max_rollouts_per_call: int | None = None) -> dict[str, Any]:
+             max_rollouts_per_call: int | None = None, completions: bool = False) -> dict[str, Any]:
   """Samples ``k`` answers per problem; returns Avg@k, Pass@k, the correctness matrix and, with
   ``entropy_temperature``, the mean entropy per answer token (``entropy_rows`` answers per
   forward pass). ``max_rollouts_per_call``: as ``SamplingParams`` (a run passes its
-  ``sampling.max_rollouts_per_call``, so evaluation fits where training rollouts do)."""
+  ``sampling.max_rollouts_per_call``, so evaluation fits where training rollouts do). With
+  ``completions``, ``result["completions"]`` lists every answer with its score (one dict each:
+  problem index, question, reference answer, sample, completion, reward, correct, length,
+  finish reason)."""
   prompts, too_long = tokenize_prompts(problems, prompt_fn, max_prompt_len)
   params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
                           stop_token_ids=stop_ids,
                           max_rollouts_per_call=(None if max_rollouts_per_call is None
                                                  else max(max_rollouts_per_call, k)))
-  correct, lengths, entropy_sum, entropy_count = [], [], 0.0, 0.0
+  correct, lengths, entropy_sum, entropy_count, records = [], [], 0.0, 0.0, []
   for start in range(0, len(prompts), batch_prompts):
     chunk = prompts[start:start + batch_prompts]
     rollouts = generate(model, [list(p.token_ids) for p in chunk], params, seed=seed + start, mesh=mesh)
@@ -51,6 +54,12 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
                          [int(x) for x in rollouts.completion_lengths], rewards,
                          rows=example_rows(examples))
     correct.append(np.asarray(scored.correct, bool).reshape(len(chunk), k))
+    if completions:
+      records += [{"problem": start + int(p), "question": examples[i].question, "answer": examples[i].answer,
+                   "sample": i % k, "completion": texts[i], "reward": float(scored.reward[i]),
+                   "correct": bool(scored.correct[i]), "length": int(rollouts.completion_lengths[i]),
+                   "finish_reason": str(rollouts.finish_reason[i])}
+                  for i, p in enumerate(rollouts.prompt_index)]
     lengths.append(rollouts.completion_lengths)
     if entropy_temperature is not None:
       total, count = answer_entropy(model, rollouts.to_learner_arrays(), entropy_temperature,
@@ -61,6 +70,7 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
           "pass": float(pass_at_k_from_samples(matrix, k)) if len(matrix) else float("nan"),
           "correct": matrix, "prompts_too_long": too_long,
           "entropy": entropy_sum / entropy_count if entropy_count else float("nan"),
+          **({"completions": records} if completions else {}),
           "response_length_mean": float(np.concatenate(lengths).mean()) if lengths else float("nan")}
 
 
@@ -92,8 +102,9 @@ def answer_entropy(model, arrays: dict[str, np.ndarray], temperature: float, row
   return total, count
 
 
-def evaluate_problems(run, state) -> dict[str, float]:
-  """The periodic evaluation of a training run (validation split + configured sets)."""
+def evaluate_problems(run, state, completions: list | None = None) -> dict[str, float]:
+  """The periodic evaluation of a training run (validation split + configured sets); with a
+  ``completions`` list, every sampled answer is appended to it (with ``set``: the set's name)."""
   from rft_jax.train.loop import prompt_ids
 
   cfg = run.config
@@ -101,8 +112,7 @@ def evaluate_problems(run, state) -> dict[str, float]:
   if run.validation:
     sets.append(("val", run.validation[: cfg.eval.max_val_problems], cfg.eval.val_k))
   for s in cfg.eval.sets:
-    problems, _ = load_math_dataset(s.path, s.format, on_bad_row="skip")
-    sets.append((s.name, problems, s.k))
+    sets.append((s.name, run.eval_sets[s.name], s.k))
   model = run.learner.model(state)
   metrics = {}
   for name, problems, k in sets:
@@ -111,7 +121,10 @@ def evaluate_problems(run, state) -> dict[str, float]:
                       stop_ids=run.stop_ids, rewards=cfg.rewards,
                       prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg.data, q), seed=cfg.seed, mesh=run.mesh,
                       entropy_temperature=run.learner.config.sampling_temperature,
-                      max_rollouts_per_call=cfg.sampling.max_rollouts_per_call)
+                      max_rollouts_per_call=cfg.sampling.max_rollouts_per_call,
+                      completions=completions is not None)
+    if completions is not None:
+      completions += [{"set": name, **r} for r in result["completions"]]
     metrics[f"eval_{name}_avg@{k}"] = result["avg"]
     metrics[f"eval_{name}_pass@{k}"] = result["pass"]
     metrics[f"eval_{name}_entropy"] = result["entropy"]

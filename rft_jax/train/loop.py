@@ -33,14 +33,15 @@ from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer
 from rft_jax.train.config import DataConfig, TrainConfig
 from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
 from rft_jax.train.evaluate import evaluate_problems
-from rft_jax.train.metrics_log import MetricsLog, NullLog
+from rft_jax.train.metrics_log import JsonlFile, MetricsLog, NullLog
 from rft_jax.train.preemption import StopSignals
-from rft_jax.train.preflight import validate_for_training
+from rft_jax.train.preflight import Inputs, validate_for_training
 from rft_jax.train.resolve import DTYPES, mesh_axes, reward_config, sampling_params
 from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
 from rft_jax.train.status import logger
@@ -67,12 +68,14 @@ class Run:
   tokenizer: Any
   stream: data_lib.PromptStream
   validation: list
+  eval_sets: dict[str, list]  # eval.sets' problems by name, as loaded by the preflight checks
   stop_ids: tuple[int, ...]
   data_report: dict
 
 
-def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
-  """Builds the run and returns it with a fresh train state."""
+def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
+  """Builds the run from ``inputs`` (the data :func:`validate_for_training` loaded) and returns it
+  with a fresh train state."""
   data_size, model_size = mesh_axes(cfg, len(jax.devices()))
   mesh = make_mesh(data=data_size, model=model_size)
 
@@ -85,9 +88,7 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
               cfg.model.path, sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e6,
               cfg.model.dtype, cfg.model.param_dtype, data_size, model_size)
   tokenizer = load_tokenizer(cfg.model.path)
-  examples, report = data_lib.load_math_dataset(
-      cfg.data.train_path, cfg.data.format, question_field=cfg.data.question_field,
-      answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row)
+  examples, report = inputs.train, inputs.train_report
   cfg = dataclasses.replace(cfg, rewards=reward_config(cfg, [e.question for e in examples]))
   validation = []
   if cfg.data.val_size > 0:
@@ -100,7 +101,7 @@ def build_run(cfg: TrainConfig) -> tuple[Run, Any]:
   learner = Learner(model, cfg.learner, mesh=mesh, reference=reference)
   state = learner.init(model)  # with kl_coef > 0, copies the reference (default: these weights)
   del reference
-  run = Run(cfg, mesh, learner, tokenizer, stream, validation,
+  run = Run(cfg, mesh, learner, tokenizer, stream, validation, inputs.eval_sets,
             stop_token_ids(tokenizer, model.config.eos_token_id),
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
              "train_prompts": len(prompts), "validation_prompts": len(validation)})
@@ -126,8 +127,8 @@ def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any
   scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
                        [int(x) for x in rollouts.completion_lengths], cfg.rewards,
                        rows=example_rows(examples))
-  return {"rollouts": rollouts, "scored": scored, "sample_time": t1 - t0,
-          "reward_time": time.perf_counter() - t1}
+  return {"rollouts": rollouts, "scored": scored, "texts": texts, "prompts": prompts,
+          "sample_time": t1 - t0, "reward_time": time.perf_counter() - t1}
 
 
 def _select_groups(parts: list[dict], n: int, groups_wanted: int, dynamic: bool):
@@ -192,7 +193,13 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
     refills += 1
     parts.append(sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101 + refills))
   arrays, rewards, chosen = _select_groups(parts, n, groups, cfg.dynamic_sampling)
-  advantages = compute_advantages(jnp.asarray(rewards), n, cfg.learner.advantage,
+  shaped = rewards
+  if cfg.learner.beta_rank > 0:  # the unlikeliness reward: on the advantages' input only
+    correct = np.concatenate([np.asarray(p["scored"].correct)[rows] for _, _, p, rows in chosen])
+    likelihood = mean_token_logp(arrays["sampler_logp"], arrays["response_mask"])
+    shaped = np.asarray(unlikeliness_rewards(rewards.reshape(-1, n), correct.reshape(-1, n),
+                                             likelihood.reshape(-1, n), beta_rank=cfg.learner.beta_rank)).reshape(-1)
+  advantages = compute_advantages(jnp.asarray(shaped), n, cfg.learner.advantage,
                                   **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
                                      if cfg.learner.advantage == "grpo" else {}))
   # Host arrays, the same on every process: the learner lays them out on its mesh.
@@ -202,14 +209,39 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
   return StepRollouts(batch, rewards, chosen, parts, refills)
 
 
-def train_step(run: Run, state, step: int) -> tuple[Any, dict[str, float]]:
-  """One step of the loop; returns the new state and every metric of the step."""
+def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict) -> list[dict]:
+  """One record per completion the learner took at ``step`` (``rollouts.jsonl``), in batch order."""
+  records, row = [], 0
+  for _, _, part, rows in rollouts.chosen:
+    r = part["rollouts"]
+    prompt = part["prompts"][r.prompt_index[rows.start]]
+    text = run.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
+    for i in range(rows.start, rows.stop):
+      records.append({
+          "step": step, "prompt": text, "completion": part["texts"][i], "answer": prompt.example.answer,
+          "reward": float(part["scored"].reward[i]), "correct": bool(part["scored"].correct[i]),
+          "advantage": float(rollouts.batch.advantages[row]), "length": int(r.completion_lengths[i]),
+          "finish_reason": str(r.finish_reason[i]),
+          **{k: (int(v[row]) if k == "masked_tokens" else float(v[row])) for k, v in row_stats.items()}})
+      row += 1
+  return records
+
+
+def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
+  """One step of the loop; returns the new state and every metric of the step. Every
+  ``log_rollouts_every`` steps the step's completions go to ``rollouts_log`` (a
+  :class:`~rft_jax.train.metrics_log.JsonlFile`), when given."""
   n = run.config.sampling.n
   rollouts = step_rollouts(run, state, step)
   batch, rewards, chosen, parts, refills = (rollouts.batch, rollouts.rewards, rollouts.chosen,
                                             rollouts.parts, rollouts.refills)
+  every = run.config.log_rollouts_every
   t0 = time.perf_counter()
-  state, metrics = run.learner.step(state, batch)
+  if rollouts_log is not None and every and step % every == 0:
+    state, metrics, row_stats = run.learner.step(state, batch, rows=True)
+    rollouts_log.write(rollout_records(run, step, rollouts, row_stats))
+  else:
+    state, metrics = run.learner.step(state, batch)
   learn_time = time.perf_counter() - t0
 
   lengths = np.concatenate([p["rollouts"].completion_lengths[rows] for _, _, p, rows in chosen])
@@ -239,7 +271,8 @@ def _checkpoint_meta(run: Run, step: int) -> dict:
 
 def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
           allow_config_change: bool = False) -> dict[str, float]:
-  """Runs (or resumes) a training run in ``cfg.run_dir``; returns the last step's metrics.
+  """Runs (or resumes) a training run in ``cfg.run_dir``; returns the last step's metrics and
+  ``steps_done``, the steps the run holds now (fewer than ``cfg.steps`` if the data ran out).
 
   With ``resume`` (the default) a run directory that holds checkpoints continues from
   the latest one that restores; the metrics of the resumed steps equal those of an
@@ -261,14 +294,14 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
   main = is_main_process()
   if cfg.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
-  validate_for_training(cfg, jax.device_count())
+  inputs = validate_for_training(cfg, jax.device_count())
   logger.info("config checked: %d steps of %d prompts x %d samples into %s", cfg.steps,
               cfg.data.prompts_per_step, cfg.sampling.n, cfg.run_dir)
   with (RunDirLock(cfg.run_dir) if main else contextlib.nullcontext()), StopSignals() as signals:
     if main:
       prepare_run_dir(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
     sync_processes("rft_jax.prepare_run_dir")
-    run, state = build_run(cfg)
+    run, state = build_run(cfg, inputs)
     checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
     start = 0
     if resume and checkpointer.latest_step() is not None:
@@ -276,11 +309,18 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
       run.stream.set_state(meta["data"])
       if main:
         logger.info("resumed from step %d of %s", start, cfg.run_dir)
-    log = MetricsLog(cfg.run_dir, resume_from_step=start if start else None) if main else NullLog()
-    return _run_steps(run, state, start, checkpointer, log, signals)
+    resume_from = start if start else None
+    log = MetricsLog(cfg.run_dir, resume_from_step=resume_from) if main else NullLog()
+    completions = {name: JsonlFile(os.path.join(cfg.run_dir, f"{name}.jsonl"), resume_from_step=resume_from)
+                   for name, on in (("rollouts", cfg.log_rollouts_every), ("eval_completions", cfg.eval.save_completions))
+                   if on and main}
+    return _run_steps(run, state, start, checkpointer, log, signals, completions)
 
 
-def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, signals) -> dict[str, float]:
+def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, signals,
+               completions: dict[str, JsonlFile]) -> dict[str, float]:
+  """The loop over steps. ``completions``: the run's ``rollouts`` and ``eval_completions`` JSONL
+  files (either absent when off, both on processes other than 0)."""
   cfg = run.config
   metrics: dict[str, float] = {}
   progress = _progress(cfg, start, enabled=is_main_process())
@@ -291,16 +331,18 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
     nonlocal saved
     checkpointer.save(step, state, _checkpoint_meta(run, step))
     log.flush()
+    for f in completions.values():
+      f.flush()
     saved = step
     logger.info("checkpoint of step %d -> %s", step, checkpointer.directory)
 
   try:
     if cfg.eval.at_start and start == 0:
-      log.write(-1, _timed_evaluation(run, state))
+      log.write(-1, _timed_evaluation(run, state, -1, completions.get("eval_completions")))
     for step in range(start, cfg.steps):
       try:
         started = time.perf_counter()
-        state, metrics = train_step(run, state, step)
+        state, metrics = train_step(run, state, step, completions.get("rollouts"))
         if step == start:
           logger.info("first step done in %.0f s (compiling the sampler and the learner step)",
                       time.perf_counter() - started)
@@ -315,7 +357,7 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
       metrics["nonfinite_skipped_total"] = float(skipped_total)
       if cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps):
         try:
-          metrics.update(_timed_evaluation(run, state))
+          metrics.update(_timed_evaluation(run, state, step, completions.get("eval_completions")))
           logger.info("evaluation after step %d: %s", done, ", ".join(
               f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and "@" in k))
         except Exception:
@@ -345,12 +387,14 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
     if done > saved and not isinstance(exc, (WriteError, Preempted)):
       _save_after_error(save, done, state)
     progress.close()
-    _close_quietly(checkpointer.close, log.close)
+    _close_quietly(checkpointer.close, log.close, *(f.close for f in completions.values()))
     raise
   progress.close()
   checkpointer.close()
   log.close()
-  return metrics
+  for f in completions.values():
+    f.close()
+  return {**metrics, "steps_done": done}
 
 
 def _save_after_error(save, step: int, state) -> None:
@@ -374,9 +418,13 @@ def _close_quietly(*closers) -> None:
       logger.error("while stopping: %s", exc)
 
 
-def _timed_evaluation(run: Run, state) -> dict[str, float]:
+def _timed_evaluation(run: Run, state, step: int, completions_log=None) -> dict[str, float]:
+  """The evaluation after ``step`` (-1: before training); its answers go to ``completions_log``."""
   t0 = time.perf_counter()
-  metrics = evaluate_problems(run, state)
+  records = [] if completions_log is not None else None
+  metrics = evaluate_problems(run, state, records)
+  if records:
+    completions_log.write([{"step": step, **r} for r in records])
   metrics["time_eval"] = time.perf_counter() - t0
   return metrics
 

@@ -1,4 +1,5 @@
-"""Every metric of every step, to ``RUN_DIR/metrics.jsonl`` and TensorBoard.
+"""Every metric of every step, to ``RUN_DIR/metrics.jsonl`` and TensorBoard; the run's other
+JSONL files (``rollouts.jsonl``, ``eval_completions.jsonl``) through :class:`JsonlFile`.
 
 JSONL is the source of truth (one object per step with ``step`` and ``time``; read it
 back with :func:`read_metrics`); TensorBoard event files in ``RUN_DIR/tensorboard``
@@ -23,21 +24,49 @@ import warnings
 from rft_jax.train.errors import WriteError
 
 
+class JsonlFile:
+  """An append-only JSONL file of a run, one record per line, each flushed as it is written.
+
+  On resume (``resume_from_step``), records of steps at or after it are dropped, so that a resumed
+  run's file equals an uninterrupted one; on a fresh run (None) an earlier file is removed.
+  """
+
+  def __init__(self, path: str, *, resume_from_step: int | None = None):
+    self.path = path
+    with _naming(path):
+      os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+      if resume_from_step is not None and os.path.exists(path):
+        kept = [r for r in read_jsonl(path) if r["step"] < resume_from_step]
+        with open(path, "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in kept)
+      elif resume_from_step is None and os.path.exists(path):
+        os.remove(path)
+      self._file = open(path, "a")
+
+  def write(self, records: list[dict]) -> None:
+    with _naming(self.path):
+      self._file.writelines(json.dumps(r) + "\n" for r in records)
+      self._file.flush()
+
+  def flush(self) -> None:
+    """Puts everything written so far on disk, past the OS's cache."""
+    with _naming(self.path):
+      os.fsync(self._file.fileno())
+
+  def close(self) -> None:
+    try:
+      self._file.close()
+    except OSError:  # already reported by the write that failed; closing must not mask it
+      pass
+
+
 class MetricsLog:
   """Appends metrics of a run; safe to reopen on resume (steps after the resume point
   are dropped from the JSONL so that a resumed run's file equals an uninterrupted one)."""
 
   def __init__(self, run_dir: str, *, resume_from_step: int | None = None, tensorboard: bool = True):
-    os.makedirs(run_dir, exist_ok=True)
     self.path = os.path.join(run_dir, "metrics.jsonl")
-    with _naming(self.path):
-      if resume_from_step is not None and os.path.exists(self.path):
-        kept = [r for r in read_metrics(self.path) if r["step"] < resume_from_step]
-        with open(self.path, "w") as f:
-          f.writelines(json.dumps(r) + "\n" for r in kept)
-      elif resume_from_step is None and os.path.exists(self.path):
-        os.remove(self.path)
-      self._file = open(self.path, "a")
+    self._jsonl = JsonlFile(self.path, resume_from_step=resume_from_step)
     self._events = None
     if tensorboard:
       from tensorboardX.event_file_writer import EventsWriter
@@ -50,9 +79,7 @@ class MetricsLog:
   def write(self, step: int, metrics: dict[str, float]) -> None:
     record = {"step": step, "time": time.time()}
     record.update({k: (float(v) if v is not None else None) for k, v in metrics.items()})
-    with _naming(self.path):
-      self._file.write(json.dumps(record) + "\n")
-      self._file.flush()
+    self._jsonl.write([record])
     if self._events is not None:
       from tensorboardX import summary
       from tensorboardX.proto.event_pb2 import Event
@@ -67,8 +94,7 @@ class MetricsLog:
   def flush(self) -> None:
     """Puts everything written so far on disk, past the OS's cache (the loop calls it at each
     checkpoint, so the metrics of every checkpointed step survive a machine crash)."""
-    with _naming(self.path):
-      os.fsync(self._file.fileno())
+    self._jsonl.flush()
     if self._events is not None:
       with _naming(self._events_dir):
         self._events.flush()
@@ -80,8 +106,8 @@ class MetricsLog:
             os.close(fd)
 
   def close(self) -> None:
+    self._jsonl.close()
     try:
-      self._file.close()
       if self._events is not None:
         self._events.close()
     except OSError:  # already reported by the write that failed; closing must not mask it
@@ -111,13 +137,18 @@ def _naming(path: str):
 
 
 def read_metrics(path: str) -> list[dict]:
-  """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``).
+  """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``): :func:`read_jsonl`."""
+  if os.path.isdir(path):
+    path = os.path.join(path, "metrics.jsonl")
+  return read_jsonl(path)
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """The records of a JSONL file of a run (metrics, rollouts, evaluation completions).
 
   A last line that is not JSON (a crash in the middle of writing it) is dropped with a
   warning; an unreadable line before it is an error naming the file and the line.
   """
-  if os.path.isdir(path):
-    path = os.path.join(path, "metrics.jsonl")
   with open(path, "rb") as f:
     lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
   records = []

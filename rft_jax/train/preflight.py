@@ -16,14 +16,16 @@ checks are separate):
 
 Every failure is a :class:`ConfigError` naming the setting, the file and the value, except a
 model directory's own files, whose :class:`~rft_jax.models.CheckpointError` names the file.
+What was loaded on the way (:class:`Inputs`) is handed to the run, which reads no file twice.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
-from rft_jax.data import DatasetError, load_math_dataset
+from rft_jax.data import DatasetError, LoadReport, MathExample, load_math_dataset
 from rft_jax.models.hf import read_config
 from rft_jax.models.safetensors_io import weight_map
 from rft_jax.models.tokenizer import check_tokenizer_files
@@ -32,24 +34,36 @@ from rft_jax.train.config import ConfigError, TrainConfig
 from rft_jax.train.resolve import mesh_axes
 
 
-def validate_for_training(cfg: TrainConfig, n_devices: int) -> None:
+class Inputs(NamedTuple):
+  """The data files as checked: the training rows and each evaluation set's problems."""
+
+  train: list[MathExample]
+  train_report: LoadReport
+  eval_sets: dict[str, list[MathExample]]  # by eval.sets[i].name; empty when evaluation is off
+
+
+def validate_for_training(cfg: TrainConfig, n_devices: int) -> Inputs:
   """Raises :class:`ConfigError` (or ``CheckpointError``) for the first input that cannot run.
 
   Args:
     cfg: the loaded config.
     n_devices: all devices of the run (``jax.device_count()``, every host's).
+
+  Returns:
+    The data files' contents, loaded once for the checks and the run.
   """
   data_parallel_devices(cfg, n_devices)
   check_model_dir(cfg.model.path)
   if cfg.model.ref_path and cfg.learner.kl_coef > 0:
     check_model_dir(cfg.model.ref_path, key="model.ref_path", tokenizer=False)
-  check_training_data(cfg)
-  check_eval_sets(cfg)
+  train, report = check_training_data(cfg)
+  eval_sets = check_eval_sets(cfg)
   for name in cfg.rewards.functions:
     try:
       load_function(name)
     except ValueError as exc:
       raise ConfigError(str(exc)) from exc
+  return Inputs(train, report, eval_sets)
 
 
 def data_parallel_devices(cfg: TrainConfig, n_devices: int) -> int:
@@ -90,9 +104,9 @@ def check_model_dir(path: str, key: str = "model.path", tokenizer: bool = True) 
     check_tokenizer_files(path)
 
 
-def check_training_data(cfg: TrainConfig) -> int:
-  """Loads ``data.train_path`` as the run will; returns its usable rows, checked against
-  ``data.val_size`` and ``data.prompts_per_step``."""
+def check_training_data(cfg: TrainConfig) -> tuple[list[MathExample], LoadReport]:
+  """Loads ``data.train_path`` as the run does; returns its usable rows and the load report,
+  checked against ``data.val_size`` and ``data.prompts_per_step``."""
   d = cfg.data
   try:
     examples, report = load_math_dataset(d.train_path, d.format, question_field=d.question_field,
@@ -109,17 +123,20 @@ def check_training_data(cfg: TrainConfig) -> int:
     raise ConfigError(
         f"data.train_path={d.train_path!r} has {rows}; holding out data.val_size={d.val_size} "
         f"leaves {left}, fewer than one batch of data.prompts_per_step={d.prompts_per_step}")
-  return usable
+  return examples, report
 
 
-def check_eval_sets(cfg: TrainConfig) -> None:
-  """Loads every ``eval.sets`` entry as the evaluation will (when evaluation is on)."""
+def check_eval_sets(cfg: TrainConfig) -> dict[str, list[MathExample]]:
+  """Loads every ``eval.sets`` entry as the evaluation does (when evaluation is on); returns
+  their problems by name."""
   if not (cfg.eval.every or cfg.eval.at_start):
-    return
+    return {}
+  sets = {}
   for i, s in enumerate(cfg.eval.sets):
     if not s.path:
       raise ConfigError(f"eval.sets[{i}] ({s.name!r}): path is required")
     try:
-      load_math_dataset(s.path, s.format, on_bad_row="skip")
+      sets[s.name], _ = load_math_dataset(s.path, s.format, on_bad_row="skip")
     except DatasetError as exc:
       raise ConfigError(f"eval.sets[{i}] ({s.name!r}) path: {exc}") from exc
+  return sets
