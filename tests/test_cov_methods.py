@@ -3,8 +3,8 @@
 ``verl_clip_cov`` and ``verl_kl_cov`` transcribe ``compute_policy_loss_clip_cov`` and
 ``compute_policy_loss_kl_cov`` of verl 0.9.1 (Apache-2.0; ``pip download --no-deps verl==0.9.1``,
 ``verl/trainer/ppo/core_algos.py``) line for line in torch, with the config fields as arguments,
-``verl_F.masked_mean`` / ``masked_sum`` (``verl/utils/torch_functional.py``) and ``agg_loss``'s
-``token-mean`` branch, and without the metrics. Besides the loss they return intermediates the
+``verl_F.masked_mean`` and ``agg_loss``'s ``token-mean`` branch (``tests/verl_reference.py``), and
+without the metrics. Besides the loss they return intermediates the
 tests compare (the candidate set, ``clip_num``, ``corr``; the top-k indices).
 """
 
@@ -15,24 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from verl_reference import verl_agg_loss_token_mean, verl_masked_mean
 
 from rft_jax.rl import cov_methods as C
-
-
-def verl_masked_sum(values, mask, axis=None):
-  valid_values = torch.where(mask.bool(), values, 0.0)
-  return (valid_values * mask).sum(axis=axis)
-
-
-def verl_masked_mean(values, mask, axis=None):
-  s = verl_masked_sum(values, mask, axis)
-  return s / (mask.sum(axis=axis) + 1e-8)
-
-
-def verl_token_mean(loss_mat, loss_mask):
-  """agg_loss(loss_agg_mode="token-mean"), one data-parallel rank."""
-  batch_num_tokens = loss_mask.sum()
-  return verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * 1
 
 
 def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
@@ -70,7 +55,7 @@ def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, cliprange_l
 
   pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
 
-  pg_loss = verl_token_mean(pg_losses, response_mask)
+  pg_loss = verl_agg_loss_token_mean(pg_losses, response_mask)
   return pg_loss, pg_losses, corr, candidates, clip_num
 
 
@@ -105,7 +90,7 @@ def verl_kl_cov(old_log_prob, log_prob, advantages, response_mask, kl_cov_ratio=
           large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]
       ]
 
-  pg_loss = verl_token_mean(pg_losses, response_mask)
+  pg_loss = verl_agg_loss_token_mean(pg_losses, response_mask)
   return pg_loss, pg_losses, penalised
 
 

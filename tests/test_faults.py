@@ -160,13 +160,37 @@ def tensorboard_scalars(run):
   return scalars
 
 
-def test_no_resume_refuses_an_earlier_run_and_overwrite_replaces_it(setup, tmp_path, capsys):
+class FakeWandbRun:
+  """What ``wandb.init`` returns, recording the calls (the network is not needed)."""
+
+  def __init__(self, **kwargs):
+    self.init_kwargs, self.logged, self.finished = kwargs, [], False
+
+  def define_metric(self, *args, **kwargs):
+    pass
+
+  def log(self, record):
+    self.logged.append(record)
+
+  def finish(self):
+    self.finished = True
+
+
+def test_no_resume_refuses_an_earlier_run_and_overwrite_replaces_it(setup, tmp_path, capsys, monkeypatch):
+  import wandb
+
+  runs = []
+  monkeypatch.setattr(wandb, "init", lambda **kw: runs.append(FakeWandbRun(**kw)) or runs[-1])
   run = tmp_path / "run"
-  assert cli.main(args(setup, run, 2, "checkpoint_every=1")) == 0
-  # TensorBoard holds every scalar of every step, as metrics.jsonl does
+  assert cli.main(args(setup, run, 2, "checkpoint_every=1", "logging.wandb=true")) == 0
+  # TensorBoard and W&B hold every scalar of every step, under metrics.jsonl's names
   expected = [(r["step"], k) for r in read_metrics(str(run)) for k, v in r.items()
               if k not in ("step", "time") and v is not None and np.isfinite(v)]
   assert sorted(tensorboard_scalars(run)) == sorted(expected)
+  (wandb_run,) = runs
+  assert sorted((r["step"], k) for r in wandb_run.logged for k, v in r.items()
+                if k != "step" and v is not None and np.isfinite(v)) == sorted(expected)
+  assert wandb_run.finished and wandb_run.init_kwargs["id"] == (run / "wandb_run_id").read_text().strip()
   before = (run / "metrics.jsonl").read_text()
   cmd = args(setup, run, 1)
   assert cli.main([*cmd[:3], "--no-resume", *cmd[3:]]) == 1  # a flag among the overrides
@@ -204,8 +228,8 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_and_are_never_saved(setup
   assert "steps 0-2: the loss or gradient norm was not finite 3 times in a row" in err, err
   assert "could not save step 3 before stopping: not saving step 3" in err
   records = read_metrics(str(run))
-  assert [r["nonfinite_skipped"] for r in records] == [1.0, 1.0, 1.0]
-  assert records[-1]["nonfinite_skipped_total"] == 3.0
+  assert [r["actor/nonfinite_skipped"] for r in records] == [1.0, 1.0, 1.0]
+  assert records[-1]["actor/nonfinite_skipped_total"] == 3.0
   assert not (run / "checkpoints").exists() or steps_of(run) == []  # never saved
 
 

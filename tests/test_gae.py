@@ -2,8 +2,8 @@
 
 ``verl_*`` below transcribe, line for line in torch, verl 0.9.1 (Apache-2.0;
 ``pip download --no-deps verl==0.9.1``):
-``verl/utils/torch_functional.py`` ``clip_by_value``, ``masked_sum``, ``masked_mean``,
-``masked_var``, ``masked_whiten``; ``verl/trainer/ppo/core_algos.py``
+``verl/utils/torch_functional.py`` ``clip_by_value``, ``masked_var``, ``masked_whiten``
+(``masked_sum``, ``masked_mean`` and ``agg_loss``'s token-mean: ``tests/verl_reference.py``); ``verl/trainer/ppo/core_algos.py``
 ``compute_gae_advantage_return``, ``compute_value_loss`` and the ``token-mean`` branch of
 ``agg_loss`` (dp_size=1, batch_num_tokens=None); ``verl/workers/reward_manager/naive.py``
 ``NaiveRewardManager.__call__``'s reward placement. ``np_gae`` is an independent loop written
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from verl_reference import verl_agg_loss_token_mean, verl_masked_mean
 
 from rft_jax.rl.gae import clipped_value_loss, gae_advantages, masked_whiten, outcome_token_rewards
 from rft_jax.rl.losses import aggregate_loss, loss_normaliser
@@ -24,16 +25,6 @@ from rft_jax.rl.losses import aggregate_loss, loss_normaliser
 def verl_clip_by_value(x, tensor_min, tensor_max):
   clipped = torch.max(torch.min(x, tensor_max), tensor_min)
   return clipped
-
-
-def verl_masked_sum(values, mask, axis=None):
-  valid_values = torch.where(mask.bool(), values, 0.0)
-  return (valid_values * mask).sum(axis=axis)
-
-
-def verl_masked_mean(values, mask, axis=None):
-  s = verl_masked_sum(values, mask, axis)
-  return s / (mask.sum(axis=axis) + 1e-8)
 
 
 def verl_masked_var(values, mask, unbiased=True):
@@ -80,13 +71,6 @@ def verl_compute_gae_advantage_return(token_level_rewards, values, response_mask
     returns = advantages + values
     advantages = verl_masked_whiten(advantages, response_mask)
   return advantages, returns
-
-
-def verl_agg_loss_token_mean(loss_mat, loss_mask, dp_size=1, batch_num_tokens=None):
-  if batch_num_tokens is None:
-    batch_num_tokens = loss_mask.sum()
-  loss = verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
-  return loss
 
 
 def verl_compute_value_loss(vpreds, returns, values, response_mask, cliprange_value):

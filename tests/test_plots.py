@@ -7,14 +7,16 @@ import pytest
 from matplotlib.colors import to_hex
 
 from rft_jax import cli
+from rft_jax.train.metric_names import logged_names
 from rft_jax.train.plots import FRACTION_STYLES, draw_runs, plot_runs
 
 RUNS = 4
 
 
-def write_run(run_dir, index: int, steps: int = 20) -> str:
+def write_run(run_dir, index: int, steps: int = 20, namespaced: bool = False) -> str:
   """A small ``metrics.jsonl``: run ``index``'s steps start at ``100 * index`` (which tells the
-  runs' lines apart), with an evaluation every 5 steps and the entropy forecast."""
+  runs' lines apart), with an evaluation every 5 steps and the entropy forecast; under the names
+  runs log today (``namespaced``) or the flat names of runs written before them."""
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
     for step in range(100 * index, 100 * index + steps):
@@ -24,13 +26,13 @@ def write_run(run_dir, index: int, steps: int = 20) -> str:
       if step % 5 == 0:
         record.update({"eval_heldout_avg@4": 0.4 + 0.01 * index, "eval_heldout_pass@4": 0.8,
                        "eval_heldout_entropy": 0.7, "eval_aime_avg@32": 0.1, "eval_aime_entropy": 0.9})
-      f.write(json.dumps(record) + "\n")
+      f.write(json.dumps(logged_names(record) if namespaced else record) + "\n")
   return str(run_dir)
 
 
-@pytest.fixture
-def run_dirs(tmp_path):
-  return [write_run(tmp_path / f"run{i}", i) for i in range(RUNS)]
+@pytest.fixture(params=[False, True], ids=["flat-names", "namespaced"])
+def run_dirs(tmp_path, request):
+  return [write_run(tmp_path / f"run{i}", i, namespaced=request.param) for i in range(RUNS)]
 
 
 def test_each_run_has_one_colour_and_each_series_one_style(run_dirs):
@@ -51,8 +53,10 @@ def test_each_run_has_one_colour_and_each_series_one_style(run_dirs):
       assert all(len(s) == 1 for s in styles_of_series.values()), ax.get_title()  # a series: one style
       assert len(set.union(*styles_of_series.values())) == len(styles_of_series), ax.get_title()
     fractions = {line.get_label() for line in fig.axes[2].get_lines() if not line.get_label().startswith("_")}
-    assert set(FRACTION_STYLES) <= fractions
-    assert {"heldout_avg@4", "aime_avg@32", "train acc"} <= {t.get_text() for t in fig.axes[1].get_legend().get_texts()}
+    assert {"mask/frac", "actor/pg_clipfrac_low", "actor/pg_clipfrac_high"} <= fractions <= set(FRACTION_STYLES)
+    assert {"heldout/avg@4", "aime/avg@32", "train acc"} <= {t.get_text() for t in fig.axes[1].get_legend().get_texts()}
+    assert {"heldout/entropy", "aime/entropy", "training batch"} <= {
+        t.get_text() for t in fig.axes[0].get_legend().get_texts()}
     scatter_colours = {to_hex(c.get_facecolor()[0]) for c in fig.axes[3].collections}
     assert len(scatter_colours) == RUNS
   finally:

@@ -17,7 +17,8 @@ def setup(tmp_path_factory):
   return make_loop_files(tmp_path_factory.mktemp("loop"))
 
 
-VOLATILE = ("time", "time_sample", "time_reward", "time_learner", "time_eval", "sample_tokens_per_s")
+VOLATILE = ("time", "timing/sample_s", "timing/reward_s", "timing/learner_s", "timing/eval_s",
+            "timing/sample_tokens_per_s")
 
 
 def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, monkeypatch):
@@ -26,19 +27,23 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
                                         "eval.at_start=true", "data.instruction=be brief")]) == 0
   start, *records = read_metrics(str(run_dir))
   assert [r["step"] for r in records] == [0, 1, 2]
-  assert start["step"] == -1 and 0.0 <= start["eval_val_avg@2"] <= 1.0 and start["time_eval"] > 0
-  assert "loss" not in start  # the evaluation before any update, nothing else
-  assert 0 < start["eval_val_entropy"] < np.log(128) and np.isfinite(records[-1]["eval_val_entropy"])
-  for key in ("loss", "entropy", "reward_mean", "accuracy", "response_length_mean", "truncated_frac",
-              "zero_variance_group_frac", "time_sample", "time_learner", "entropy_change_forecast",
-              "clip_frac_low", "mask_frac"):
+  assert start["step"] == -1 and 0.0 <= start["eval/val/avg@2"] <= 1.0 and start["timing/eval_s"] > 0
+  assert "actor/loss" not in start  # the evaluation before any update, nothing else
+  assert 0 < start["eval/val/entropy"] < np.log(128) and np.isfinite(records[-1]["eval/val/entropy"])
+  # one namespaced scheme for every metric (rft_jax/train/metric_names.py)
+  assert {k.split("/")[0] for r in records for k in r} == {
+      "step", "time", "train", "actor", "entropy", "mask", "eval", "timing", "data"}
+  for key in ("actor/loss", "actor/entropy", "train/reward_mean", "train/accuracy",
+              "train/response_length_mean", "train/truncated_frac", "train/zero_variance_group_frac",
+              "timing/sample_s", "timing/learner_s", "entropy/forecast", "actor/pg_clipfrac_low", "mask/frac"):
     assert key in records[-1] and np.isfinite(records[-1][key]), key
-  assert "entropy_change_measured" in records[0]
-  assert 0.0 <= records[-1]["eval_val_avg@2"] <= 1.0 and 0.0 <= records[-1]["eval_val_pass@2"] <= 1.0
-  assert records[-1]["time_eval"] > 0 and "time_eval" not in records[0]  # eval on step 2 only
-  assert records[0]["data_prompts_too_long"] == 0 and records[0]["data_train_prompts"] == 6
+  assert "entropy/measured" in records[0]
+  assert 0.0 <= records[-1]["eval/val/avg@2"] <= 1.0 and 0.0 <= records[-1]["eval/val/pass@2"] <= 1.0
+  assert records[-1]["timing/eval_s"] > 0 and "timing/eval_s" not in records[0]  # eval on step 2 only
+  assert records[0]["data/prompts_too_long"] == 0 and records[0]["data/train_prompts"] == 6
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
-  assert list((run_dir / "tensorboard").iterdir())
+  # TensorBoard carries the JSONL's names as they are ("@" included)
+  assert any(b"eval/val/avg@2" in f.read_bytes() for f in (run_dir / "tensorboard").iterdir())
   # completions of steps 0 and 2 (2 prompts x 4 samples each), with the learner's per-completion stats
   rollouts = read_jsonl(str(run_dir / "rollouts.jsonl"))
   assert [r["step"] for r in rollouts] == [0] * 8 + [2] * 8
@@ -54,11 +59,11 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
       expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
       np.testing.assert_allclose([r["advantage"] for r in group[4 * g:4 * g + 4]], expected, atol=1e-5)
     logged = next(r for r in records if r["step"] == step)
-    assert np.mean([r["reward"] for r in group]) == pytest.approx(logged["reward_mean"])
+    assert np.mean([r["reward"] for r in group]) == pytest.approx(logged["train/reward_mean"])
   # every evaluation's answers (2 held-out problems x 2 samples), before training and after step 2
   answers = read_jsonl(str(run_dir / "eval_completions.jsonl"))
   assert [(r["step"], r["set"]) for r in answers] == [(-1, "val")] * 4 + [(2, "val")] * 4
-  assert np.mean([r["correct"] for r in answers if r["step"] == 2]) == pytest.approx(records[-1]["eval_val_avg@2"])
+  assert np.mean([r["correct"] for r in answers if r["step"] == 2]) == pytest.approx(records[-1]["eval/val/avg@2"])
   assert cli.main(["plot", str(run_dir), "--out", str(tmp_path / "plots.png")]) == 0
   assert (tmp_path / "plots.png").stat().st_size > 10_000
   out = tmp_path / "hf"
@@ -198,14 +203,14 @@ def test_forecast_correlation_pairs_forecast_and_measured_of_the_same_step():
   from rft_jax.train.plots import forecast_correlation
   rng = np.random.default_rng(0)
   forecast = rng.normal(size=20)
-  records = [{"step": i, "entropy_change_forecast": f, "entropy_change_measured": 1e4 * f + 0.1 * rng.normal()}
+  records = [{"step": i, "entropy/forecast": f, "entropy/measured": 1e4 * f + 0.1 * rng.normal()}
              for i, f in enumerate(forecast)]
-  records += [{"step": 3, "eval_val_avg@2": 0.5}, {"step": 20, "entropy_change_forecast": 1.0}]  # unpaired
+  records += [{"step": 3, "eval/val/avg@2": 0.5}, {"step": 20, "entropy/forecast": 1.0}]  # unpaired
   assert forecast_correlation(records) > 0.99  # scale-free: 1e4 apart, still r ~ 1
-  flipped = [{**r, "entropy_change_measured": -r["entropy_change_measured"]} for r in records[:20]]
+  flipped = [{**r, "entropy/measured": -r["entropy/measured"]} for r in records[:20]]
   assert forecast_correlation(flipped) < -0.99
   assert np.isnan(forecast_correlation(records[:2]))
-  assert np.isnan(forecast_correlation([{**r, "entropy_change_forecast": 0.0} for r in records[:5]]))
+  assert np.isnan(forecast_correlation([{**r, "entropy/forecast": 0.0} for r in records[:5]]))
 
 
 def test_steps_after_the_first_compile_nothing_new(setup, tmp_path):
@@ -238,7 +243,7 @@ def test_a_run_with_a_kl_penalty_logs_kl_from_zero(setup, tmp_path):
   cfg = load_config(None, overrides(setup, tmp_path / "kl", 3, "eval.every=0", "learner.kl_coef=0.1",
                                     "learner.lr=3e-2", "learner.ref_dtype=bfloat16"))
   train(cfg)
-  kl = [r["kl"] for r in read_metrics(str(tmp_path / "kl"))]
+  kl = [r["actor/kl"] for r in read_metrics(str(tmp_path / "kl"))]
   assert abs(kl[0]) < 1e-3 and kl[-1] > 1e-3, kl
   cfg = load_config(None, overrides(setup, tmp_path / "ref", 1, "eval.every=0", "learner.kl_coef=0.1",
                                     f"model.ref_path={setup[1]}"))

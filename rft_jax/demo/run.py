@@ -85,23 +85,23 @@ def build_demo_run(root: str, overrides: Sequence[str] = ()):
 
 def _summary(run_dir: str) -> dict[str, float]:
   records = read_metrics(run_dir)
-  evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+  evals = [r for r in records if any(k.startswith("eval/") for k in r)]
   steps = [r for r in records if r["step"] >= 0]  # step -1: the evaluation before training
 
-  def score(record: dict, kind: str) -> float:
-    return next((v for k, v in record.items() if k.startswith("eval_") and kind in k), float("nan"))
+  def score(record: dict, kind: str) -> float:  # kind: /avg@, /pass@, /entropy of the (one) set
+    return next((v for k, v in record.items() if k.startswith("eval/") and kind in k), float("nan"))
 
   quarter = max(len(steps) // 4, 1)
   start = evals[0] if evals and evals[0]["step"] < 0 else {}
+  end = evals[-1] if evals else {}
   return {
-      "heldout_avg_start": score(start, "avg@"), "heldout_avg": score(evals[-1], "avg@") if evals else float("nan"),
-      "heldout_pass": score(evals[-1], "pass@") if evals else float("nan"),
-      "entropy_start": score(start, "_entropy"),
-      "entropy_final": score(evals[-1], "_entropy") if evals else float("nan"),
-      "mask_frac": float(np.mean([r.get("method_frac", r["mask_frac"]) for r in steps])),
-      "mask_frac_negative": float(np.mean([r["mask_frac_negative"] for r in steps])),
-      "acc_start": float(np.mean([r["accuracy"] for r in steps[:quarter]])),
-      "acc_end": float(np.mean([r["accuracy"] for r in steps[-quarter:]])),
+      "heldout_avg_start": score(start, "/avg@"), "heldout_avg": score(end, "/avg@"),
+      "heldout_pass": score(end, "/pass@"),
+      "entropy_start": score(start, "/entropy"), "entropy_final": score(end, "/entropy"),
+      "mask_frac": float(np.mean([r.get("mask/method_frac", r["mask/frac"]) for r in steps])),
+      "mask_frac_negative": float(np.mean([r["mask/frac_neg"] for r in steps])),
+      "acc_start": float(np.mean([r["train/accuracy"] for r in steps[:quarter]])),
+      "acc_end": float(np.mean([r["train/accuracy"] for r in steps[-quarter:]])),
       "forecast_r": forecast_correlation(steps),
   }
 

@@ -158,6 +158,29 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+  """Where metrics go besides ``metrics.jsonl`` and TensorBoard (always written).
+
+  Attributes:
+    wandb: also log every metric to Weights & Biases (needs ``pip install 'rft_jax[wandb]'``;
+      never required otherwise). The W&B run lives in ``RUN_DIR/wandb`` and is resumed with the
+      training run.
+    wandb_project / wandb_entity: the W&B project and entity (None: your default entity).
+    wandb_mode: ``online``, or ``offline`` to write the run under ``RUN_DIR/wandb`` without a
+      network (``wandb sync`` uploads it later).
+  """
+
+  wandb: bool = False
+  wandb_project: str = "rft_jax"
+  wandb_entity: Optional[str] = None
+  wandb_mode: str = "online"
+
+  def __post_init__(self):
+    if self.wandb_mode not in ("online", "offline"):
+      raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r} is not one of ['offline', 'online']")
+
+
+@dataclasses.dataclass
 class MeshConfig:
   """Device mesh: ``data`` x ``model`` devices (``data=-1``: all devices / model)."""
 
@@ -206,6 +229,7 @@ class TrainConfig:
   rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
   dynamic_sampling: bool = False
   max_refills: int = 0
   checkpoint_every: int = 0

@@ -39,12 +39,14 @@ from rft_jax.train.checkpoint import RunCheckpointer
 from rft_jax.train.config import DataConfig, TrainConfig
 from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
 from rft_jax.train.evaluate import evaluate_problems
+from rft_jax.train.metric_names import logged_name
 from rft_jax.train.metrics_log import JsonlFile, MetricsLog, NullLog
 from rft_jax.train.preemption import StopSignals
 from rft_jax.train.preflight import Inputs, validate_for_training
 from rft_jax.train.resolve import DTYPES, mesh_axes, reward_config, sampling_params
 from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
 from rft_jax.train.status import logger
+from rft_jax.train.wandb_log import WandbLog
 
 def stop_token_ids(tokenizer: Any, model_eos: Any = None) -> tuple[int, ...]:
   """End-of-sequence ids: the tokenizer's eos, the model config's, and Qwen's chat markers."""
@@ -310,7 +312,9 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
       if main:
         logger.info("resumed from step %d of %s", start, cfg.run_dir)
     resume_from = start if start else None
-    log = MetricsLog(cfg.run_dir, resume_from_step=resume_from) if main else NullLog()
+    mirror = (WandbLog(cfg.run_dir, cfg.logging, dataclasses.asdict(cfg), resume=resume)
+              if main and cfg.logging.wandb else None)
+    log = MetricsLog(cfg.run_dir, resume_from_step=resume_from, mirror=mirror) if main else NullLog()
     completions = {name: JsonlFile(os.path.join(cfg.run_dir, f"{name}.jsonl"), resume_from_step=resume_from)
                    for name, on in (("rollouts", cfg.log_rollouts_every), ("eval_completions", cfg.eval.save_completions))
                    if on and main}
@@ -359,7 +363,7 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
         try:
           metrics.update(_timed_evaluation(run, state, step, completions.get("eval_completions")))
           logger.info("evaluation after step %d: %s", done, ", ".join(
-              f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and "@" in k))
+              f"{logged_name(k)} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and "@" in k))
         except Exception:
           log.write(step, metrics)  # the step's own metrics; its checkpoint follows below
           raise

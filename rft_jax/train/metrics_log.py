@@ -20,8 +20,10 @@ import math
 import os
 import time
 import warnings
+from typing import Any
 
 from rft_jax.train.errors import WriteError
+from rft_jax.train.metric_names import logged_names
 
 
 class JsonlFile:
@@ -64,8 +66,12 @@ class MetricsLog:
   """Appends metrics of a run; safe to reopen on resume (steps after the resume point
   are dropped from the JSONL so that a resumed run's file equals an uninterrupted one)."""
 
-  def __init__(self, run_dir: str, *, resume_from_step: int | None = None, tensorboard: bool = True):
+  def __init__(self, run_dir: str, *, resume_from_step: int | None = None, tensorboard: bool = True,
+               mirror: Any = None):
+    """``mirror``: another sink of every record (``write(step, metrics)``, ``close()``), e.g. the
+    optional :class:`~rft_jax.train.wandb_log.WandbLog`."""
     self.path = os.path.join(run_dir, "metrics.jsonl")
+    self._mirror = mirror
     self._jsonl = JsonlFile(self.path, resume_from_step=resume_from_step)
     self._events = None
     if tensorboard:
@@ -77,19 +83,23 @@ class MetricsLog:
         self._events = EventsWriter(os.path.join(self._events_dir, "events"))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
-    record = {"step": step, "time": time.time()}
-    record.update({k: (float(v) if v is not None else None) for k, v in metrics.items()})
+    """One record of ``step``, under the logged names (:mod:`rft_jax.train.metric_names`)."""
+    metrics = {k: (float(v) if v is not None else None) for k, v in logged_names(metrics).items()}
+    record = {"step": step, "time": time.time(), **metrics}
     self._jsonl.write([record])
     if self._events is not None:
-      from tensorboardX import summary
       from tensorboardX.proto.event_pb2 import Event
+      from tensorboardX.proto.summary_pb2 import Summary
 
+      # Summary protos built here, not by tensorboardX's summary.scalar, which rewrites tags
+      # ("eval/val/avg@4" -> "eval/val/avg_4"): TensorBoard shows the JSONL's names.
+      values = [Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()
+                if v is not None and math.isfinite(v)]
       with _naming(self._events_dir):
-        for key, value in metrics.items():
-          if value is not None and math.isfinite(float(value)):
-            self._events.write_event(Event(wall_time=record["time"], step=step,
-                                           summary=summary.scalar(key, float(value))))
+        self._events.write_event(Event(wall_time=record["time"], step=step, summary=Summary(value=values)))
         self._events.flush()
+    if self._mirror is not None:
+      self._mirror.write(step, metrics)
 
   def flush(self) -> None:
     """Puts everything written so far on disk, past the OS's cache (the loop calls it at each
@@ -107,6 +117,8 @@ class MetricsLog:
 
   def close(self) -> None:
     self._jsonl.close()
+    if self._mirror is not None:
+      self._mirror.close()
     try:
       if self._events is not None:
         self._events.close()
@@ -137,10 +149,11 @@ def _naming(path: str):
 
 
 def read_metrics(path: str) -> list[dict]:
-  """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``): :func:`read_jsonl`."""
+  """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``) under the logged
+  names, also for files written before them (:func:`rft_jax.train.metric_names.logged_names`)."""
   if os.path.isdir(path):
     path = os.path.join(path, "metrics.jsonl")
-  return read_jsonl(path)
+  return [logged_names(r) for r in read_jsonl(path)]
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -45,9 +45,9 @@ def _plot_per_step(ax, records, key, color, style="-"):
 
 def _forecast_pairs(records: Sequence[dict]) -> np.ndarray:
   """``[N, 2]``: (forecast, measured) entropy change of each step that has both."""
-  return np.array([(r["entropy_change_forecast"], r["entropy_change_measured"]) for r in records
-                   if r.get("entropy_change_forecast") is not None
-                   and r.get("entropy_change_measured") is not None], np.float64).reshape(-1, 2)
+  return np.array([(r["entropy/forecast"], r["entropy/measured"]) for r in records
+                   if r.get("entropy/forecast") is not None
+                   and r.get("entropy/measured") is not None], np.float64).reshape(-1, 2)
 
 
 def forecast_correlation(records: Sequence[dict]) -> float:
@@ -64,7 +64,8 @@ def forecast_correlation(records: Sequence[dict]) -> float:
 # One line style per series of a panel (the same for every run); the colour says the run.
 TRAINING_STYLE = "-"
 EVAL_STYLES = ("o--", "s-.", "^:", "D--", "v-.")  # one per evaluation set, in key order
-FRACTION_STYLES = {"mask_frac": "-", "clip_frac_low": ":", "clip_frac_high": "-."}
+FRACTION_STYLES = {"mask/frac": "-", "mask/method_frac": "--", "actor/pg_clipfrac_low": ":",
+                   "actor/pg_clipfrac_high": "-."}
 
 
 def run_names(run_dirs: Sequence[str]) -> list[str]:
@@ -107,17 +108,18 @@ def draw_runs(run_dirs: Sequence[str]):
   eval_styles = [{}, {}]  # of the entropy and accuracy panels: evaluation label -> style
   for name, run_dir, color in zip(run_names(run_dirs), run_dirs, colors):
     records = read_metrics(run_dir)
-    for panel, key, label in ((0, "entropy", "training batch"), (1, "accuracy", "train acc")):
+    for panel, key, label in ((0, "actor/entropy", "training batch"), (1, "train/accuracy", "train acc")):
       if _series(records, key)[0]:
         _plot_per_step(axes[panel], records, key, color, TRAINING_STYLE)
         series[panel].setdefault(label, TRAINING_STYLE)
-    eval_keys = sorted({k for r in records for k in r if k.startswith("eval_")})
-    for panel, keys in ((0, [k for k in eval_keys if k.endswith("_entropy")]),
-                        (1, [k for k in eval_keys if "avg@" in k])):
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/")})
+    for panel, keys in ((0, [k for k in eval_keys if k.endswith("/entropy")]),
+                        (1, [k for k in eval_keys if "/avg@" in k])):
       for key in keys:
-        style = eval_styles[panel].setdefault(key[5:], EVAL_STYLES[len(eval_styles[panel]) % len(EVAL_STYLES)])
-        series[panel][key[5:]] = style
-        axes[panel].plot(*_series(records, key), style, color=color, label=key[5:])
+        label = key[len("eval/"):]  # <set>/avg@k, <set>/entropy
+        style = eval_styles[panel].setdefault(label, EVAL_STYLES[len(eval_styles[panel]) % len(EVAL_STYLES)])
+        series[panel][label] = style
+        axes[panel].plot(*_series(records, key), style, color=color, label=label)
     for key, style in FRACTION_STYLES.items():
       if _series(records, key)[0]:
         _plot_per_step(axes[2], records, key, color, style)

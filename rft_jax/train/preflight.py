@@ -10,7 +10,7 @@ checks are separate):
 * ``data.train_path``: loads (format, columns, rows, UTF-8), and holds more usable rows than
   ``data.val_size``, leaving at least one batch of ``data.prompts_per_step``;
 * each ``eval.sets[i].path``: loads, when evaluation is on (``eval.every`` or ``eval.at_start``);
-* ``rewards.functions``: each imports;
+* ``rewards.functions``: each imports; ``logging.wandb``: the wandb package is installed;
 * the mesh: ``mesh.data x mesh.model`` fits ``n_devices``, and every micro-batch (so every
   step's prompts x samples) splits evenly over the data-parallel devices.
 
@@ -21,6 +21,7 @@ What was loaded on the way (:class:`Inputs`) is handed to the run, which reads n
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -63,7 +64,15 @@ def validate_for_training(cfg: TrainConfig, n_devices: int) -> Inputs:
       load_function(name)
     except ValueError as exc:
       raise ConfigError(str(exc)) from exc
+  check_logging(cfg)
   return Inputs(train, report, eval_sets)
+
+
+def check_logging(cfg: TrainConfig) -> None:
+  """``logging.wandb`` needs the (optional) wandb package."""
+  if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+    raise ConfigError("logging.wandb=true needs the wandb package: pip install 'rft_jax[wandb]' "
+                      "(or set logging.wandb=false)")
 
 
 def data_parallel_devices(cfg: TrainConfig, n_devices: int) -> int:

@@ -31,10 +31,10 @@ CHANGEABLE_ON_RESUME = ("run_dir", "steps", "progress", "checkpoint_every", "kee
                         "compilation_cache_dir", "max_nonfinite_steps", "eval.", "mesh.",
                         "model.remat", "model.attention", "sampling.max_rollouts_per_call",
                         "learner.micro_batch_size", "learner.stats_chunk_size",
-                        "learner.forecast_every", "log_rollouts_every")
+                        "learner.forecast_every", "log_rollouts_every", "logging.")
 # What belongs to a run (deleted by overwrite).
 RUN_FILES = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "tensorboard", "rollouts.jsonl",
-             "eval_completions.jsonl")
+             "eval_completions.jsonl", "wandb_run_id")  # not wandb/: offline W&B runs may be unsynced
 
 
 class RunDirLock:

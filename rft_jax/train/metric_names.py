@@ -1,0 +1,74 @@
+"""The names metrics are logged under: one namespaced scheme for ``metrics.jsonl`` and TensorBoard.
+
+The learner and the loop compute metrics under short names (``Learner.step`` and ``train`` return
+them); the run's logs carry them as ``namespace/name``, the same string in the JSONL and in
+TensorBoard (tags are written as they are, ``@`` included). :data:`NAMES` is the table, and
+:func:`logged_name` maps any short name, or a name already namespaced (idempotent), so that files
+written before the scheme read back under the new names (:func:`rft_jax.train.metrics_log.read_metrics`).
+
+==============  =========================================================================
+``train/``      the step's rollouts: rewards, accuracy, lengths, refills, reward timeouts
+``actor/``      the policy update: loss, gradient norm, learning rate, entropy, PPO clip
+                fractions, KL, non-finite steps
+``entropy/``    the paper's statistics: S_*, S_* - E_p[S], Corollary 4's forecast of the
+                entropy change and the measured change
+``mask/``       the shares of tokens the entropy mask (Clip_B / Clip_V) or method removes
+``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
+``timing/``     seconds per phase and rollout tokens per second
+``data/``       the training data's row counts (first step only)
+==============  =========================================================================
+"""
+
+from __future__ import annotations
+
+import re
+
+NAMES = {
+    # train/: the step's rollouts
+    "reward_mean": "train/reward_mean", "reward_std": "train/reward_std", "accuracy": "train/accuracy",
+    "response_length_mean": "train/response_length_mean", "response_length_max": "train/response_length_max",
+    "truncated_frac": "train/truncated_frac", "zero_variance_group_frac": "train/zero_variance_group_frac",
+    "refills": "train/refills", "reward_timeouts": "train/reward_timeouts",
+    "reward_over_budget": "train/reward_over_budget",
+    # actor/: the update
+    "loss": "actor/loss", "grad_norm": "actor/grad_norm", "lr": "actor/lr", "entropy": "actor/entropy",
+    "clip_frac_low": "actor/pg_clipfrac_low", "clip_frac_high": "actor/pg_clipfrac_high",
+    "clip_frac_dual": "actor/pg_clipfrac_dual", "ratio_dev_max": "actor/ratio_dev_max",
+    "logp_mismatch": "actor/logp_mismatch", "kl": "actor/kl", "response_tokens": "actor/response_tokens",
+    "nonfinite_skipped": "actor/nonfinite_skipped", "nonfinite_skipped_total": "actor/nonfinite_skipped_total",
+    # entropy/: the paper's statistics
+    "s_star_mean": "entropy/s_star_mean", "s_centered_mean": "entropy/s_centered_mean",
+    "entropy_change_forecast": "entropy/forecast", "entropy_change_measured": "entropy/measured",
+    # mask/: what the entropy mask or method takes out
+    "mask_frac": "mask/frac", "mask_frac_positive": "mask/frac_pos", "mask_frac_negative": "mask/frac_neg",
+    "method_frac": "mask/method_frac",
+    # timing/
+    "time_sample": "timing/sample_s", "time_reward": "timing/reward_s", "time_learner": "timing/learner_s",
+    "time_eval": "timing/eval_s", "sample_tokens_per_s": "timing/sample_tokens_per_s",
+}
+NOT_METRICS = ("step", "time")  # every record's own fields, unchanged
+_EVAL = re.compile(r"^eval_(.+)_(avg@\d+|pass@\d+|entropy)$")
+
+
+def logged_name(name: str) -> str:
+  """The namespaced name of a metric (unchanged if it is namespaced already)."""
+  if name in NOT_METRICS or "/" in name:
+    return name
+  if name in NAMES:
+    return NAMES[name]
+  match = _EVAL.match(name)
+  if match:
+    return f"eval/{match[1]}/{match[2]}"
+  if name.startswith("data_"):
+    return "data/" + name[len("data_"):]
+  return "other/" + name
+
+
+def logged_names(metrics: dict) -> dict:
+  """``metrics`` under their logged names."""
+  return {logged_name(k): v for k, v in metrics.items()}
+
+
+def eval_name(set_name: str, stat: str) -> str:
+  """The logged name of an evaluation statistic (``avg@8``, ``pass@8``, ``entropy``) of a set."""
+  return f"eval/{set_name}/{stat}"
