@@ -84,7 +84,8 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _restore_model(run_dir: str, step: int | None):
-  """The policy of a run's checkpoint (the base model's structure, the run's parameters)."""
+  """The policy of a run's checkpoint (the base model's structure, the run's parameters; a PPO
+  run's critic is restored with it and dropped)."""
   import os
 
   from rft_jax.models import load_hf
@@ -95,8 +96,16 @@ def _restore_model(run_dir: str, step: int | None):
   cfg = load_config(os.path.join(run_dir, "config.yaml"))
   model = load_hf(cfg.model.path)
   learner = Learner(model, cfg.learner)
+  template = learner.init(model)
+  if cfg.learner.advantage == "gae":  # PPO's checkpoints hold the critic too; only the policy is used
+    from flax import nnx
+
+    from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
+
+    value_model = ValueModel.from_policy(load_hf(cfg.model.path), rngs=nnx.Rngs(0))
+    template = ActorCriticState(policy=template, critic=Critic(value_model, cfg.critic).init(value_model))
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  state, _, restored = checkpointer.restore(learner.init(model), step, move_corrupt=False)
+  state, _, restored = checkpointer.restore(template, step, move_corrupt=False)
   checkpointer.close()
   return learner.model(state), cfg, restored
 
@@ -320,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
                                                            "read against the repository root")
   demo.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. steps=10; "
-                    "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely picks the runs "
+                    "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely,ppo,ppo_clip_b,ppo_clip_v picks the runs "
                     "(default grpo,clip_b,clip_v)")
   demo.set_defaults(func=_demo)
 

@@ -63,6 +63,10 @@ def test_shipped_configs_load_once_paths_are_set(path):
   assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)
   name = os.path.basename(path)[:-len(".yaml")].split("b_", 1)[1]  # qwen2_5_7b_kl_cov: kl_cov
   method = ("entropy_mask", name) if name in ("clip_b", "clip_v") else ("entropy_method", name)
+  if name.startswith("ppo"):  # PPO with a critic, alone or with a mask
+    assert cfg.learner.advantage == "gae" and cfg.critic.cliprange_value == 0.5
+    name = name[len("ppo_"):] if name != "ppo" else "grpo"
+    method = ("entropy_mask", name)
   if name == "unlikely":
     assert cfg.learner.beta_rank == 0.25 and cfg.learner.entropy_method.kind == "none"
   elif name != "grpo":

@@ -29,6 +29,7 @@ from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.plots import forecast_correlation, plot_runs
 from rft_jax.train.preflight import validate_for_training
 
+_PPO = ["learner.advantage=gae", "critic.lr=5e-5", "critic.micro_batch_size=16"]
 VARIANTS = {
     "grpo": ["learner.entropy_mask.kind=none"],
     # The released cuts (Clip_B mu- = 2.5, Clip_V mu- = 8.5, negative samples only). Clip_V's
@@ -44,6 +45,11 @@ VARIANTS = {
     "kl_cov": ["learner.entropy_method.kind=kl_cov", "learner.entropy_method.kl_cov_ratio=0.002"],
     "forking": ["learner.entropy_method.kind=forking"],  # the top 20% of tokens by entropy
     "unlikely": ["learner.beta_rank=0.25"],  # the authors' released recipe
+    # PPO with a GAE critic (the paper's Table 4), alone and with the masks (which then read the sign
+    # of each token's GAE advantage, Appendix E.4). The critic learns at the demo policy's rate.
+    "ppo": [*_PPO],
+    "ppo_clip_b": [*_PPO, "learner.entropy_mask.kind=clip_b"],
+    "ppo_clip_v": [*_PPO, "learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"],
 }
 DEFAULT_VARIANTS = ("grpo", "clip_b", "clip_v")
 

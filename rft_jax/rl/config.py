@@ -132,7 +132,9 @@ class LearnerConfig:
   """The GRPO learner.
 
   Attributes:
-    advantage: estimator name (``grpo``, ``drgrpo``, ``rloo``).
+    advantage: estimator name: group estimators (``grpo``, ``drgrpo``, ``rloo``), or ``gae``:
+      PPO with a learned critic (``rft_jax.rl.critic``, the run's ``critic`` settings), token-level
+      GAE advantages whitened over the batch (``rft_jax.rl.gae``).
     advantage_eps: epsilon of the group z-score; advantage_ddof: its std's ddof.
     eps_low / eps_high: PPO clip range [1 - eps_low, 1 + eps_high] of the ratio r.
     dual_clip: dual-clip constant c > 1 for A < 0 (None: off).
@@ -200,7 +202,7 @@ class LearnerConfig:
     if not 0 < self.lr <= 1:  # also NaN; 1e39 (accepted before) turned every parameter to inf
       raise ValueError(f"learner.lr must be a finite number in (0, 1], got {self.lr!r}")
     _finite_numbers("learner", self)
-    _choice("learner.advantage", self.advantage, ADVANTAGE_ESTIMATORS)
+    _choice("learner.advantage", self.advantage, (*ADVANTAGE_ESTIMATORS, "gae"))
     _choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
     _choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     _choice("learner.schedule", self.schedule, SCHEDULES)

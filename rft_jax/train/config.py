@@ -25,6 +25,7 @@ from rft_jax.models.config import ATTENTION_KINDS
 from rft_jax.models.tokenizer import CHAT_TEMPLATE_MODES
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
+from rft_jax.rl.critic import CriticConfig
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,8 @@ class ModelConfig:
       materialised ``[B, N, T, T]`` einsum, for checks).
     ref_path: the reference policy of the KL term (``learner.kl_coef > 0``), another HF
       directory of the same architecture; empty: the starting weights (``path``).
+    critic_path: the decoder PPO's critic starts from (``learner.advantage: gae``), an HF
+      directory of the policy's architecture; empty: a copy of the policy's starting weights.
   """
 
   path: str = ""
@@ -53,6 +56,7 @@ class ModelConfig:
   remat: bool = False
   attention: str = "auto"
   ref_path: str = ""
+  critic_path: str = ""
 
   def __post_init__(self):
     if self.attention not in ATTENTION_KINDS:
@@ -229,6 +233,7 @@ class TrainConfig:
   rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
   dynamic_sampling: bool = False
   max_refills: int = 0
@@ -254,6 +259,9 @@ class TrainConfig:
           f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
           f"learner.mini_batches={self.learner.mini_batches} x learner.micro_batch_size="
           f"{self.learner.micro_batch_size}")
+    if self.learner.advantage == "gae" and rollouts % self.critic.micro_batch_size:
+      raise ConfigError(f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
+                        f"critic.micro_batch_size={self.critic.micro_batch_size}")
     if self.mesh.data > 0 and self.learner.micro_batch_size % self.mesh.data:
       raise ConfigError(f"learner.micro_batch_size={self.learner.micro_batch_size} is not a multiple "
                         f"of mesh.data={self.mesh.data}")
@@ -292,7 +300,8 @@ REQUIRED_PATHS = ("model.path", "data.train_path")
 
 # Settings that name a file or directory (besides each ``eval.sets[i].path``): resolved
 # against the current directory when the config is loaded ('' stays '': unset or off).
-PATH_KEYS = ("run_dir", "compilation_cache_dir", "model.path", "model.ref_path", "data.train_path")
+PATH_KEYS = ("run_dir", "compilation_cache_dir", "model.path", "model.ref_path", "model.critic_path",
+             "data.train_path")
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = (), *,

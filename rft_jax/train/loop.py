@@ -28,10 +28,12 @@ from flax import nnx
 from rft_jax import data as data_lib
 from rft_jax.models import load_hf, load_tokenizer
 from rft_jax.models.tokenizer import prompt_token_ids
-from rft_jax.parallel import is_main_process, make_mesh, sync_processes
+from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.advantages import compute_advantages
+from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
+from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 from rft_jax.sampling import generate
@@ -73,6 +75,7 @@ class Run:
   eval_sets: dict[str, list]  # eval.sets' problems by name, as loaded by the preflight checks
   stop_ids: tuple[int, ...]
   data_report: dict
+  critic: Critic | None = None  # PPO's (learner.advantage: gae); the state is then an ActorCriticState
 
 
 def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
@@ -100,13 +103,21 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
   stream = data_lib.PromptStream(prompts, prompts_per_step=cfg.data.prompts_per_step, seed=cfg.seed,
                                  epochs=cfg.data.epochs)
   reference = load(cfg.model.ref_path) if cfg.model.ref_path and cfg.learner.kl_coef > 0 else None
+  critic = critic_state = None
+  if cfg.learner.advantage == "gae":  # a copy of the starting policy's decoder (or model.critic_path)
+    value_model = ValueModel.from_policy(load(cfg.model.critic_path) if cfg.model.critic_path else model,
+                                         rngs=nnx.Rngs(cfg.seed))
+    critic = Critic(value_model, cfg.critic, mesh=mesh)
+    critic_state = critic.init(value_model)
   learner = Learner(model, cfg.learner, mesh=mesh, reference=reference)
   state = learner.init(model)  # with kl_coef > 0, copies the reference (default: these weights)
+  if critic is not None:
+    state = ActorCriticState(policy=state, critic=critic_state)
   del reference
   run = Run(cfg, mesh, learner, tokenizer, stream, validation, inputs.eval_sets,
             stop_token_ids(tokenizer, model.config.eos_token_id),
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
-             "train_prompts": len(prompts), "validation_prompts": len(validation)})
+             "train_prompts": len(prompts), "validation_prompts": len(validation)}, critic)
   return run, state
 
 
@@ -179,6 +190,23 @@ class StepRollouts:
   chosen: list  # (arrays, rewards, part, rows) per selected group
   parts: list  # every sampling round of the step (refills included)
   refills: int
+  critic_targets: tuple | None = None  # PPO: ([B, L-1] returns, [B, L-1] values at rollout)
+
+
+def critic_advantages(run: Run, critic_state, arrays: dict, rewards: np.ndarray):
+  """PPO's token advantages from the critic: each completion's reward at its last token, GAE over
+  its tokens with the rollout-time values, whitened over the batch (``rft_jax.rl.gae``).
+
+  Returns:
+    ``([B, L] advantages aligned with input_ids, [B, L-1] returns, [B, L-1] values)``; the last two
+    are next-token aligned as :meth:`~rft_jax.rl.critic.Critic.values`.
+  """
+  c = run.config.critic
+  values = np.asarray(host_array(run.critic.values(critic_state, arrays["input_ids"], arrays["attention_mask"])))
+  mask = arrays["response_mask"][:, 1:] * arrays["attention_mask"][:, 1:]
+  advantages, returns = gae_advantages(outcome_token_rewards(jnp.asarray(rewards), jnp.asarray(mask)),
+                                       jnp.asarray(values), jnp.asarray(mask), gamma=c.gamma, lam=c.lam)
+  return np.pad(np.asarray(advantages), ((0, 0), (1, 0))), np.asarray(returns), values
 
 
 def step_rollouts(run: Run, state, step: int) -> StepRollouts:
@@ -201,14 +229,19 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
     likelihood = mean_token_logp(arrays["sampler_logp"], arrays["response_mask"])
     shaped = np.asarray(unlikeliness_rewards(rewards.reshape(-1, n), correct.reshape(-1, n),
                                              likelihood.reshape(-1, n), beta_rank=cfg.learner.beta_rank)).reshape(-1)
-  advantages = compute_advantages(jnp.asarray(shaped), n, cfg.learner.advantage,
-                                  **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
-                                     if cfg.learner.advantage == "grpo" else {}))
+  critic_targets = None
+  if run.critic is not None:
+    advantages, returns, values = critic_advantages(run, state.critic, arrays, shaped)
+    critic_targets = (returns, values)
+  else:
+    advantages = compute_advantages(jnp.asarray(shaped), n, cfg.learner.advantage,
+                                    **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
+                                       if cfg.learner.advantage == "grpo" else {}))
   # Host arrays, the same on every process: the learner lays them out on its mesh.
   batch = LearnerBatch(input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"],
                        response_mask=arrays["response_mask"], advantages=np.asarray(advantages),
                        sampler_logp=arrays["sampler_logp"])
-  return StepRollouts(batch, rewards, chosen, parts, refills)
+  return StepRollouts(batch, rewards, chosen, parts, refills, critic_targets)
 
 
 def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict) -> list[dict]:
@@ -222,11 +255,17 @@ def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict
       records.append({
           "step": step, "prompt": text, "completion": part["texts"][i], "answer": prompt.example.answer,
           "reward": float(part["scored"].reward[i]), "correct": bool(part["scored"].correct[i]),
-          "advantage": float(rollouts.batch.advantages[row]), "length": int(r.completion_lengths[i]),
+          "advantage": _row_advantage(rollouts.batch, row), "length": int(r.completion_lengths[i]),
           "finish_reason": str(r.finish_reason[i]),
           **{k: (int(v[row]) if k == "masked_tokens" else float(v[row])) for k, v in row_stats.items()}})
       row += 1
   return records
+
+
+def _row_advantage(batch: LearnerBatch, row: int) -> float:
+  """A completion's advantage: GRPO's, or the mean of PPO's token advantages over its tokens."""
+  advantage = np.asarray(batch.advantages[row])
+  return float(advantage if advantage.ndim == 0 else advantage[np.asarray(batch.response_mask[row]) > 0].mean())
 
 
 def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
@@ -238,13 +277,21 @@ def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict
   batch, rewards, chosen, parts, refills = (rollouts.batch, rollouts.rewards, rollouts.chosen,
                                             rollouts.parts, rollouts.refills)
   every = run.config.log_rollouts_every
+  policy, critic_state = (state.policy, state.critic) if run.critic is not None else (state, None)
   t0 = time.perf_counter()
   if rollouts_log is not None and every and step % every == 0:
-    state, metrics, row_stats = run.learner.step(state, batch, rows=True)
+    policy, metrics, row_stats = run.learner.step(policy, batch, rows=True)
     rollouts_log.write(rollout_records(run, step, rollouts, row_stats))
   else:
-    state, metrics = run.learner.step(state, batch)
+    policy, metrics = run.learner.step(policy, batch)
   learn_time = time.perf_counter() - t0
+  state = policy
+  if run.critic is not None:  # one step of the value loss on the same rollouts
+    t1 = time.perf_counter()
+    critic_state, critic_metrics = run.critic.step(critic_state, batch.input_ids, batch.attention_mask,
+                                                   batch.response_mask[:, 1:], *rollouts.critic_targets)
+    metrics.update(critic_metrics, time_critic=time.perf_counter() - t1)
+    state = ActorCriticState(policy=policy, critic=critic_state)
 
   lengths = np.concatenate([p["rollouts"].completion_lengths[rows] for _, _, p, rows in chosen])
   finish = np.concatenate([p["rollouts"].finish_reason[rows] for _, _, p, rows in chosen])

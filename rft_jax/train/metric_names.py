@@ -13,6 +13,7 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
 ``entropy/``    the paper's statistics: S_*, S_* - E_p[S], Corollary 4's forecast of the
                 entropy change and the measured change
 ``mask/``       the shares of tokens the entropy mask (Clip_B / Clip_V) or method removes
+``critic/``     PPO's value model: value loss, clip fraction, explained variance
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
 ``timing/``     seconds per phase and rollout tokens per second
 ``data/``       the training data's row counts (first step only)
@@ -42,8 +43,13 @@ NAMES = {
     # mask/: what the entropy mask or method takes out
     "mask_frac": "mask/frac", "mask_frac_positive": "mask/frac_pos", "mask_frac_negative": "mask/frac_neg",
     "method_frac": "mask/method_frac",
+    # critic/: PPO's value model (learner.advantage: gae)
+    "value_loss": "critic/value_loss", "value_clipfrac": "critic/value_clipfrac",
+    "value_mean": "critic/value_mean", "explained_variance": "critic/explained_variance",
+    "critic_grad_norm": "critic/grad_norm", "critic_lr": "critic/lr",
+    "critic_nonfinite_skipped": "critic/nonfinite_skipped",
     # timing/
-    "time_sample": "timing/sample_s", "time_reward": "timing/reward_s", "time_learner": "timing/learner_s",
+    "time_critic": "timing/critic_s", "time_sample": "timing/sample_s", "time_reward": "timing/reward_s", "time_learner": "timing/learner_s",
     "time_eval": "timing/eval_s", "sample_tokens_per_s": "timing/sample_tokens_per_s",
 }
 NOT_METRICS = ("step", "time")  # every record's own fields, unchanged
