@@ -9,6 +9,7 @@ listed in the returned :class:`LoadReport`) or fatal, per ``on_bad_row``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -73,12 +74,25 @@ def _read(path: str) -> hf_datasets.Dataset:
   else:
     _check_parquet(path)
   try:
-    return _non_empty(path, hf_datasets.load_dataset(builder, data_files=path, split="train"))
+    with _quiet_progress():  # "Generating train split: ..." in every log of a run
+      return _non_empty(path, hf_datasets.load_dataset(builder, data_files=path, split="train"))
   except DatasetError:
     raise
   except Exception as exc:  # datasets raises several types for malformed files
     where = _bad_json_line(path) if suffix == "jsonl" else None
     raise DatasetError(where or f"{path}: could not be read as {builder}: {_root_cause(exc)}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+  """``datasets``' progress bars off while loading a small local file, as they were after."""
+  was_enabled = hf_datasets.is_progress_bar_enabled()
+  hf_datasets.disable_progress_bars()
+  try:
+    yield
+  finally:
+    if was_enabled:
+      hf_datasets.enable_progress_bars()
 
 
 def _non_empty(path: str, data: hf_datasets.Dataset) -> hf_datasets.Dataset:

@@ -42,7 +42,10 @@ VARIANTS = {
     # covariance bounds and coefficient; their token shares are raised from verl's 2e-4 (under
     # one token of a demo batch) to 0.2% (about 5 tokens), as Clip_V's cap is above.
     "clip_cov": ["learner.entropy_method.kind=clip_cov", "learner.entropy_method.clip_cov_ratio=0.002"],
-    "kl_cov": ["learner.entropy_method.kind=kl_cov", "learner.entropy_method.kl_cov_ratio=0.002"],
+    # KL-Cov's penalty |log p - log p_old| and its gradient vanish on an on-policy update (ratio 1),
+    # as in verl: with one update per batch it is GRPO. It acts from the second mini-batch on.
+    "kl_cov": ["learner.entropy_method.kind=kl_cov", "learner.entropy_method.kl_cov_ratio=0.002",
+               "learner.mini_batches=4"],
     "forking": ["learner.entropy_method.kind=forking"],  # the top 20% of tokens by entropy
     "unlikely": ["learner.beta_rank=0.25"],  # the authors' released recipe
     # PPO with a GAE critic (the paper's Table 4), alone and with the masks (which then read the sign

@@ -89,7 +89,7 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
                    mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
 
   model = load(cfg.model.path)
-  logger.info("model %s: %.1fM parameters, %s compute / %s storage, mesh data=%d x model=%d",
+  logger.info("model %s: %.3gM parameters, %s compute / %s storage, mesh data=%d x model=%d",
               cfg.model.path, sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e6,
               cfg.model.dtype, cfg.model.param_dtype, data_size, model_size)
   tokenizer = load_tokenizer(cfg.model.path)
