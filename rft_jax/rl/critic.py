@@ -44,7 +44,7 @@ from rft_jax.rl.config import SCHEDULES, _choice, _finite_numbers, _positive
 from rft_jax.rl.gae import clipped_value_loss
 from rft_jax.rl.losses import AGGREGATIONS, aggregate_loss, loss_normaliser
 from rft_jax.rl.nonfinite import keep_if_finite
-from rft_jax.rl.optimizer import make_optimizer
+from rft_jax.rl.optimizer import make_optimizer, optimizer_shardings
 
 
 class ValueModel(nnx.Module):
@@ -195,14 +195,8 @@ class Critic:
     return CriticState(params, opt_state, global_array(jnp.zeros((), jnp.int32), shardings.step))
 
   def state_shardings(self, params) -> CriticState:
-    """The state's layout: AdamW's moments exactly like the parameters (as ``Learner``'s)."""
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    param_shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params)
-    opt_shardings = optax.tree_map_params(
-        self.optimizer, lambda _, sharding: sharding, jax.eval_shape(self.optimizer.init, params),
-        param_shardings, transform_non_params=lambda _: replicated)
-    return CriticState(param_shardings, opt_shardings, replicated)
+    """The state's layout: AdamW's moments exactly like the parameters (:func:`optimizer_shardings`)."""
+    return CriticState(*optimizer_shardings(self.optimizer, params, self.mesh))
 
   def abstract_state(self, params) -> CriticState:
     """The state of ``params`` as ``jax.ShapeDtypeStruct`` with shardings (nothing allocated)."""

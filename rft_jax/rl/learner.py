@@ -64,7 +64,7 @@ from rft_jax.rl.entropy_mask import entropy_keep_mask
 from rft_jax.rl.entropy_methods import MethodTokens, method_policy_loss, method_tokens
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
 from rft_jax.rl.nonfinite import keep_if_finite
-from rft_jax.rl.optimizer import make_optimizer
+from rft_jax.rl.optimizer import make_optimizer, optimizer_shardings
 
 
 @flax.struct.dataclass
@@ -183,17 +183,9 @@ class Learner:
     """The layout of a train state on the mesh, from its parameters (arrays or abstract
     ``jax.ShapeDtypeStruct`` with shardings).
 
-    Every copy of the parameter tree inside the optimizer state (AdamW's two moments) is
-    sharded exactly like the parameters (``optax.tree_map_params``); left to the compiler, they
-    came back replicated: two float32 copies of the model on every device, 57 GB at 7B.
-    Parameters not laid out on the mesh, and counters, are replicated.
+    AdamW's moments are sharded exactly like the parameters (:func:`optimizer_shardings`).
     """
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    param_shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params)
-    opt_shardings = optax.tree_map_params(
-        self.optimizer, lambda _, sharding: sharding, jax.eval_shape(self.optimizer.init, params),
-        param_shardings, transform_non_params=lambda _: replicated)
+    param_shardings, opt_shardings, replicated = optimizer_shardings(self.optimizer, params, self.mesh)
     return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated)
 
   def abstract_state(self, params) -> TrainState:
