@@ -137,12 +137,13 @@ def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
   k = base.eval.sets[0].k if base.eval.sets else 0
   print(f"\nrft-jax demo: {base.steps} steps x {base.data.prompts_per_step} prompts x {base.sampling.n} samples "
         f"per variant, {time.time() - start:.0f} s")
-  header = (f"{'variant':<8} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
+  w = max(8, *map(len, summaries))  # the variant column
+  header = (f"{'variant':<{w}} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
             f"{'held-out entropy start -> end':>30} {'tokens %':>8} {'mask % neg':>10} "
             f"{'train acc first -> last quarter':>32} {'forecast r':>10}")
   print(header)
   for name, s in summaries.items():
-    print(f"{name:<8} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
+    print(f"{name:<{w}} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
           f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>8.3f} "
           f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f} "
           f"{s['forecast_r']:>10.2f}")
