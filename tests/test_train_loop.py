@@ -21,7 +21,7 @@ VOLATILE = ("time", "timing/sample_s", "timing/reward_s", "timing/learner_s", "t
             "timing/sample_tokens_per_s")
 
 
-def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, monkeypatch):
+def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, monkeypatch, capsys):
   run_dir = tmp_path / "run"
   assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2", "log_rollouts_every=2",
                                         "eval.at_start=true", "data.instruction=be brief")]) == 0
@@ -86,6 +86,12 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
   assert [r["question"] for r in read_jsonl(str(saved))] == QUESTIONS and all(r["length"] <= 2 for r in read_jsonl(str(saved)))
   tokenizer = load_tokenizer(str(out))
   assert prompts == [chat_token_ids(tokenizer, "what is ? be brief"), chat_token_ids(tokenizer, "what is ?")]
+  # without --max-new-tokens / --format: the run's (sampling.max_new_tokens=6, data.format=jsonl)
+  assert cli.main([*common[:-2], "--save-completions", str(saved)]) == 0
+  assert 2 < max(r["length"] for r in read_jsonl(str(saved))) <= 6  # not 2, not the HF default 1024
+  capsys.readouterr()
+  assert cli.main([*common, "--format", "dapo"]) == 2
+  assert "--format 'dapo' is not one of dapo_math_17k" in capsys.readouterr().err
 
 
 def test_kill_and_resume_across_an_epoch_boundary_matches_an_uninterrupted_run(setup, tmp_path):

@@ -19,12 +19,13 @@ def test_relative_paths_are_resolved_against_the_current_directory(tmp_path, mon
   work = tmp_path / "work"
   work.mkdir()
   monkeypatch.chdir(work)
-  cfg = load_config(os.path.join("..", "configs", "c.yaml"), ["learner.lr=2e-6"])
+  cfg = load_config(os.path.join("..", "configs", "c.yaml"), ["learner.lr=2e-6", "model.critic_path=critic"])
   written = yaml.safe_load(to_yaml(cfg))  # what RUN_DIR/config.yaml holds
   assert written["run_dir"] == str(work / "runs" / "a")
   assert written["compilation_cache_dir"] == str(work / "cache")
   assert written["model"]["path"] == str(work / "models" / "m")
   assert written["model"]["ref_path"] == str(tmp_path / "ref")
+  assert written["model"]["critic_path"] == str(work / "critic")  # an override: the current directory too
   assert written["data"]["train_path"] == os.path.expanduser(os.path.join("~", "d.jsonl"))
   assert written["eval"]["sets"][0]["path"] == str(work / "data" / "aime.jsonl")
   # read back from elsewhere (rft-jax export of the run), the paths stay those of the run
