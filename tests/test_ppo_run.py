@@ -22,25 +22,16 @@ def setup(tmp_path_factory):
   return make_loop_files(tmp_path_factory.mktemp("ppo"))
 
 
-@pytest.fixture
-def length_reward(tmp_path, monkeypatch):
-  """A reward a random tiny model earns about half the time: its completion's length is odd."""
-  (tmp_path / "ppo_rewards.py").write_text(
-      "def odd_length(completions, answers, rows):\n"
-      "  return [float(len(c) % 2) for c in completions]\n")
-  monkeypatch.syspath_prepend(str(tmp_path))  # reward workers start with the parent's sys.path
-
-
 def ppo(setup, run_dir, steps):
   return load_config(None, overrides(setup, run_dir, steps, "learner.advantage=gae", "eval.every=0",
-                                     "rewards.functions=[ppo_rewards:odd_length]",
+                                     "rewards.functions=[reward_fixtures:odd_length]",
                                      "learner.forecast_every=0", "log_rollouts_every=1",
                                      "critic.micro_batch_size=4", "critic.lr=1e-3", "mesh.data=2",
                                      "mesh.model=1", "learner.entropy_mask.kind=clip_b",
                                      "learner.entropy_mask.mu_low=0.5"))
 
 
-def test_ppo_trains_the_critic_and_resumes_it_exactly(setup, tmp_path, length_reward):
+def test_ppo_trains_the_critic_and_resumes_it_exactly(setup, tmp_path):
   straight = train(ppo(setup, tmp_path / "a", 2))
   train(ppo(setup, tmp_path / "b", 1))
   resumed = train(ppo(setup, tmp_path / "b", 2))  # the critic comes back from the checkpoint
