@@ -161,23 +161,6 @@ def test_dynamic_sampling_refills_and_still_fills_the_batch(setup, tmp_path):
   assert metrics["response_tokens"] > 0
 
 
-def test_learner_batch_drops_columns_that_are_padding_in_every_row():
-  from rft_jax.train.loop import trim_left_padding
-
-  rng = np.random.default_rng(0)
-  width, starts = 72, [20, 31, 25]  # every row starts at column 20 or later
-  mask = np.stack([(np.arange(width) >= s).astype(np.int32) for s in starts])
-  arrays = {"attention_mask": mask, "input_ids": rng.integers(1, 50, mask.shape) * mask,
-            "sampler_logp": rng.normal(size=mask.shape).astype(np.float32) * mask}
-  trimmed = trim_left_padding(arrays)
-  assert trimmed["attention_mask"].shape == (3, 64)  # 52 used columns, rounded up to 64
-  for key, x in arrays.items():
-    np.testing.assert_array_equal(trimmed[key], x[:, 8:])
-    assert not x[:, :8].any()
-  full = {k: v[:, 20:] for k, v in arrays.items()}  # nothing to drop: widths stay as they are
-  assert trim_left_padding(full)["attention_mask"].shape == (3, 52)
-
-
 def test_answer_entropy_equals_a_full_forward_in_any_block_size():
   import jax.numpy as jnp
 

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rft_jax.parallel import host_array
+
 
 def split_rows(x: jax.Array, n: int) -> jax.Array:
   """``[B, ...] -> [n, B // n, ...]``, part ``i`` holding rows ``i, i + n, ...``."""
@@ -21,9 +23,13 @@ def merge_rows(x: jax.Array) -> jax.Array:
 
 def first_response_column(response_mask, multiple: int = 16) -> int:
   """The first column holding a completion token in any row of ``response_mask`` (``[B, L]``, a
-  host array), rounded down to a multiple of ``multiple`` (few compiled programs per run); 0 when
-  there is none. Columns before it hold prompts or padding in every row."""
-  used = np.flatnonzero(np.asarray(response_mask).any(axis=0))
+  host or device array; of a device array only the ``[L]`` column flags are read back), rounded
+  down to a multiple of ``multiple`` (few compiled programs per run); 0 when there is none.
+  Columns before it hold prompts or padding in every row."""
+  if isinstance(response_mask, jax.Array):
+    used = np.flatnonzero(host_array(jnp.any(response_mask, axis=0)))
+  else:
+    used = np.flatnonzero(np.asarray(response_mask).any(axis=0))
   return int(used[0]) // multiple * multiple if used.size else 0
 
 

@@ -503,7 +503,7 @@ class Learner:
     """
     every = self.config.forecast_every
     measure = every > 0 and int(host_array(state.step)) % every == 0
-    column = first_response_column(host_array(batch.response_mask))
+    column = first_response_column(batch.response_mask)
     batch = self.place_batch(batch)
     reference = self._step_reference(batch)
     if self._train_step is None:
@@ -519,5 +519,5 @@ class Learner:
 
   def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:
     """Token-mean entropy of the policy on ``batch``'s response tokens."""
-    column = first_response_column(host_array(batch.response_mask))
+    column = first_response_column(batch.response_mask)
     return float(host_array(self._mean_entropy(state.params, self.place_batch(batch), column)))

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -25,14 +26,14 @@ from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
 from rft_jax.sampling.loop import LoopSpec, sample_loop
 from rft_jax.sampling.params import SamplingParams
-from rft_jax.sampling.rollouts import Rollouts
+from rft_jax.sampling.rollouts import OnDevice, Rollouts
 
 DATA_AXIS = "data"
 
 
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
              seed: int, mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES,
-             cache_dtype=None) -> Rollouts:
+             cache_dtype=None, keep_on_device: bool = False) -> Rollouts:
   """Samples ``params.n`` completions of every prompt with one compiled program.
 
   The prompts are left-padded to a length bucket and their count padded to a batch bucket (see
@@ -61,6 +62,9 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
     rules: logical-axis rules for the KV cache (its ``kv_heads`` axis follows the attention
       weights); ``batch`` always maps to ``data``.
     cache_dtype: KV cache dtype (default: the model's compute dtype).
+    keep_on_device: leave the log-probabilities (and a copy of the token ids) on the devices,
+      as :attr:`Rollouts.on_device`, for a learner's batch assembled there
+      (:func:`~rft_jax.sampling.learner_arrays`); only the token ids and lengths come to the host.
 
   Returns:
     :class:`Rollouts`, prompt by prompt, ``n`` completions each.
@@ -113,18 +117,30 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
     # Left on device (a few MB per call) and fetched once every call is queued: the device
     # does not wait for a transfer between calls. Each call's KV cache is freed when it ends.
     outs.append((out.tokens, out.logprobs, out.lengths, out.done))
-  tokens, logprobs, lengths, done = (np.concatenate([host_array(o[field]) for o in outs])
-                                     for field in range(4))
   keep = num * n
+  tokens, lengths, done = (np.concatenate([host_array(o[field]) for o in outs])[:keep]
+                           for field in (0, 2, 3))
+  on_device = logprobs = None
+  if keep_on_device:  # the dummy prompts' rows dropped where the arrays are
+    on_device = OnDevice(*(_device_rows([o[field] for o in outs], keep) for field in (0, 1)))
+  else:
+    logprobs = np.concatenate([host_array(o[1]) for o in outs])[:keep].astype(np.float32)
   return Rollouts(
       prompt_ids=ids[:num],
       prompt_lengths=np.asarray([len(x) for x in prompts], np.int32),
-      completion_ids=np.asarray(tokens[:keep], np.int32),
-      completion_lengths=np.asarray(lengths[:keep], np.int32),
-      logprobs=np.asarray(logprobs[:keep], np.float32),
-      finish_reason=np.where(done[:keep], "stop", "length"),
+      completion_ids=np.asarray(tokens, np.int32),
+      completion_lengths=np.asarray(lengths, np.int32),
+      logprobs=logprobs,
+      finish_reason=np.where(done, "stop", "length"),
       prompt_index=np.repeat(np.arange(num, dtype=np.int32), n),
+      on_device=on_device,
   )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _device_rows(parts: list[jax.Array], keep: int) -> jax.Array:
+  """The first ``keep`` rows of the calls' outputs ``parts``, concatenated on their devices."""
+  return jnp.concatenate(parts)[:keep]
 
 
 def sampler_rules(rules: Rules = DEFAULT_RULES) -> Rules:

@@ -1,9 +1,17 @@
-"""Sampled completions as host (numpy) arrays, and their layout for the learner."""
+"""Sampled completions, and their layout for the learner.
+
+The token ids always come to the host (the rewards read their text). With
+``generate(..., keep_on_device=True)`` the log-probabilities stay on the sampler's devices, with a
+copy of the token ids, and :func:`learner_arrays` assembles the learner's batch there: only the
+prompts and the lengths go up, nothing of the completions comes back down.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 FINISH_REASONS = ("stop", "length")
@@ -24,20 +32,23 @@ class Rollouts:
     completion_lengths: ``[N]`` int32 tokens per completion (the stop token counts).
     logprobs: ``[N, M]`` float32 sampler log-probability of each completion token under
       ``softmax(z / T)`` of the full vocabulary, before top-k / top-p truncation
-      (``softmax(z)`` when greedy); 0 on padding.
+      (``softmax(z)`` when greedy); 0 on padding. None when they stay on the devices
+      (:attr:`on_device`).
     finish_reason: ``[N]`` ``'stop'`` (ended by a stop token) or ``'length'``
       (``max_new_tokens`` reached).
     prompt_index: ``[N]`` int32 the prompt (row of ``prompt_ids``) of each completion:
       ``0, .., 0, 1, .., 1, ...`` (``n`` each).
+    on_device: the completions' :class:`OnDevice` arrays, or None (everything on the host).
   """
 
   prompt_ids: np.ndarray
   prompt_lengths: np.ndarray
   completion_ids: np.ndarray
   completion_lengths: np.ndarray
-  logprobs: np.ndarray
+  logprobs: np.ndarray | None
   finish_reason: np.ndarray
   prompt_index: np.ndarray
+  on_device: OnDevice | None = None
 
   def __post_init__(self):
     b, p = self.prompt_ids.shape
@@ -45,6 +56,14 @@ class Rollouts:
     expected = {"prompt_lengths": (b,), "completion_lengths": (n_total,),
                 "logprobs": (n_total, m), "finish_reason": (n_total,),
                 "prompt_index": (n_total,)}
+    if (self.logprobs is None) == (self.on_device is None):
+      raise ValueError("Rollouts: give logprobs (host) or on_device (device), exactly one")
+    if self.on_device is not None:
+      expected.pop("logprobs")
+      for name in ("completion_ids", "logprobs"):
+        if getattr(self.on_device, name).shape != (n_total, m):
+          raise ValueError(f"Rollouts.on_device.{name} has shape {getattr(self.on_device, name).shape}, "
+                           f"expected {(n_total, m)}")
     for name, shape in expected.items():
       if getattr(self, name).shape != shape:
         raise ValueError(f"Rollouts.{name} has shape {getattr(self, name).shape}, expected "
@@ -65,13 +84,26 @@ class Rollouts:
     p = self.prompt_ids.shape[1]
     return [row[p - k:].tolist() for row, k in zip(self.prompt_ids, self.prompt_lengths)]
 
-  def to_learner_arrays(self) -> dict[str, np.ndarray]:
+  def to_learner_arrays(self) -> dict:
     """:func:`learner_arrays` of these rollouts."""
     return learner_arrays(self)
 
 
-def learner_arrays(rollouts: Rollouts) -> dict[str, np.ndarray]:
-  """The token arrays of the learner's batch (every field but the advantages), ``[N, P + M]``.
+@dataclasses.dataclass(frozen=True)
+class OnDevice:
+  """A call's outputs left on the sampler's devices (rows over the mesh's ``data`` axis).
+
+  Attributes:
+    completion_ids: ``[N, M]`` int32, equal to :attr:`Rollouts.completion_ids`.
+    logprobs: ``[N, M]`` float32, as :attr:`Rollouts.logprobs` describes.
+  """
+
+  completion_ids: jax.Array
+  logprobs: jax.Array
+
+
+def learner_arrays(rollouts: Rollouts, rows=None, prompt_width: int | None = None) -> dict:
+  """The token arrays of the learner's batch (every field but the advantages), ``[K, W + M]``.
 
   Column ``t`` of every array describes token ``input_ids[:, t]``:
 
@@ -81,19 +113,48 @@ def learner_arrays(rollouts: Rollouts) -> dict[str, np.ndarray]:
   * ``response_mask``: 1 on completion tokens, the stop token included; int32.
   * ``sampler_logp``: the sampler's log-probability of the token (see
     :attr:`Rollouts.logprobs`), 0 off the completion; float32.
+
+  Args:
+    rollouts: the :class:`Rollouts`.
+    rows: ``[K]`` the completions to take, in this order (default: all, ``K = N``).
+    prompt_width: ``W``, the prompt block's width (default ``P``): fewer columns drop leading
+      padding (it must hold every taken prompt), more add some.
+
+  Returns:
+    numpy arrays; ``jax.Array`` s computed on the sampler's devices when the rollouts are
+    :attr:`~Rollouts.on_device` (only the prompts and lengths are sent there).
   """
   r = rollouts
+  rows = np.arange(len(r)) if rows is None else np.asarray(rows, np.int32)
   p = r.prompt_ids.shape[1]
-  m = r.completion_ids.shape[1]
-  prompt_mask = (np.arange(p)[None] >= (p - r.prompt_lengths)[:, None]).astype(np.int32)
-  completion_mask = (np.arange(m)[None] < r.completion_lengths[:, None]).astype(np.int32)
-  prompt_mask = prompt_mask[r.prompt_index]
+  width = p if prompt_width is None else int(prompt_width)
+  prompt_lengths = r.prompt_lengths[r.prompt_index[rows]]
+  if rows.size and prompt_lengths.max() > width:
+    raise ValueError(f"learner_arrays: prompt_width={width} is narrower than a taken prompt "
+                     f"({prompt_lengths.max()} tokens)")
+  prompt_ids = np.pad(r.prompt_ids, ((0, 0), (max(width - p, 0), 0)))[:, max(p - width, 0):]
+  prompt_ids = prompt_ids[r.prompt_index[rows]]  # the last `width` columns, each row's prompt
+  prompt_mask = (np.arange(width)[None] >= (width - prompt_lengths)[:, None]).astype(np.int32)
+  lengths = r.completion_lengths[rows]
+  if r.on_device is None:
+    return _assemble(np, prompt_ids, prompt_mask, r.completion_ids[rows], r.logprobs[rows], lengths)
+  return _assemble_on_device(prompt_ids, prompt_mask, r.on_device.completion_ids,
+                             r.on_device.logprobs, rows, lengths)
+
+
+def _assemble(xp, prompt_ids, prompt_mask, completion_ids, logprobs, lengths) -> dict:
+  """:func:`learner_arrays`' layout in numpy (``xp = np``) or traced JAX (``xp = jnp``)."""
+  m = completion_ids.shape[1]
+  completion_mask = (xp.arange(m)[None] < lengths[:, None]).astype(xp.int32)
   return {
-      "input_ids": np.concatenate([r.prompt_ids[r.prompt_index], r.completion_ids],
-                                  axis=1).astype(np.int32),
-      "attention_mask": np.concatenate([prompt_mask, completion_mask], axis=1),
-      "response_mask": np.concatenate([np.zeros_like(prompt_mask), completion_mask], axis=1),
-      "sampler_logp": np.concatenate(
-          [np.zeros(prompt_mask.shape, np.float32), r.logprobs * completion_mask],
-          axis=1).astype(np.float32),
+      "input_ids": xp.concatenate([prompt_ids, completion_ids], axis=1).astype(xp.int32),
+      "attention_mask": xp.concatenate([prompt_mask, completion_mask], axis=1),
+      "response_mask": xp.concatenate([xp.zeros_like(prompt_mask), completion_mask], axis=1),
+      "sampler_logp": xp.concatenate([xp.zeros(prompt_mask.shape, xp.float32),
+                                      logprobs * completion_mask], axis=1).astype(xp.float32),
   }
+
+
+@jax.jit
+def _assemble_on_device(prompt_ids, prompt_mask, completion_ids, logprobs, rows, lengths) -> dict:
+  return _assemble(jnp, prompt_ids, prompt_mask, completion_ids[rows], logprobs[rows], lengths)

@@ -36,7 +36,7 @@ from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
 from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
-from rft_jax.sampling import generate
+from rft_jax.sampling import generate, learner_arrays
 from rft_jax.train.checkpoint import RunCheckpointer
 from rft_jax.train.config import DataConfig, TrainConfig
 from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
@@ -133,7 +133,7 @@ def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any
   cfg = run.config
   t0 = time.perf_counter()
   rollouts = generate(run.learner.model(state), [list(p.token_ids) for p in prompts],
-                      sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh)
+                      sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh, keep_on_device=True)
   t1 = time.perf_counter()
   texts = run.tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
   examples = [prompts[i].example for i in rollouts.prompt_index]
@@ -144,41 +144,41 @@ def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any
           "sample_time": t1 - t0, "reward_time": time.perf_counter() - t1}
 
 
-def _select_groups(parts: list[dict], n: int, groups_wanted: int, dynamic: bool):
-  """Concatenated arrays of ``groups_wanted`` groups, preferring groups with reward variance."""
-  fields = []
-  for part in parts:
-    arrays = part["rollouts"].to_learner_arrays()
-    rewards = np.asarray(part["scored"].reward, np.float32)
-    for g in range(len(rewards) // n):
-      rows = slice(g * n, (g + 1) * n)
-      fields.append(({k: v[rows] for k, v in arrays.items()}, rewards[rows], part, rows))
+def _select_groups(parts: list[dict], n: int, groups_wanted: int, dynamic: bool) -> list[tuple]:
+  """``groups_wanted`` groups ``(part, rows)`` of ``n`` completions (``rows`` a slice of the
+  part's rollouts), preferring, with ``dynamic``, groups with reward variance (flat groups only
+  fill what refills could not)."""
+  groups = [(part, slice(g * n, (g + 1) * n)) for part in parts for g in range(len(part["rollouts"]) // n)]
   if dynamic:
-    varied = [f for f in fields if np.ptp(f[1]) > 0]
-    flat = [f for f in fields if np.ptp(f[1]) == 0]
-    fields = varied + flat  # flat groups only fill what refills could not
-  chosen = fields[:groups_wanted]
-  width = max(f[0]["input_ids"].shape[1] for f in chosen)
-
-  def pad(x):  # rollouts of different refills may have different prompt buckets
-    return np.pad(x, ((0, 0), (width - x.shape[1], 0)))
-
-  arrays = {k: np.concatenate([pad(f[0][k]) for f in chosen]) for k in chosen[0][0]}
-  rewards = np.concatenate([f[1] for f in chosen])
-  return trim_left_padding(arrays), rewards, chosen
+    varied = {id(g): np.ptp(np.asarray(g[0]["scored"].reward)[g[1]]) > 0 for g in groups}
+    groups = [g for g in groups if varied[id(g)]] + [g for g in groups if not varied[id(g)]]
+  return groups[:groups_wanted]
 
 
-def trim_left_padding(arrays: dict[str, np.ndarray], multiple: int = 16) -> dict[str, np.ndarray]:
-  """Drops leading columns that are padding in every row, keeping the width a multiple of
-  ``multiple`` (a few learner programs per run, not one per width).
+def batch_arrays(chosen: list[tuple], multiple: int = 16) -> dict:
+  """The learner arrays (:func:`~rft_jax.sampling.learner_arrays`) of the ``chosen`` groups, in
+  their order, assembled where the rollouts are (on the devices in a run).
 
-  The sampler left-pads prompts to a length bucket; the learner would otherwise run its
-  forward and backward passes over those columns too.
+  The prompt block is as narrow as the longest chosen prompt allows while the full width stays
+  a multiple of ``multiple`` (a few learner programs per run, not one per width): the sampler
+  left-pads prompts to a length bucket, and the learner would otherwise run its forward and
+  backward passes over columns that are padding in every row.
   """
-  width = arrays["attention_mask"].shape[1]
-  used = np.flatnonzero(arrays["attention_mask"].any(axis=0))
-  keep = min(width, -(-(width - used[0]) // multiple) * multiple) if used.size else width
-  return {k: v[:, width - keep:] for k, v in arrays.items()}
+  completion = chosen[0][0]["rollouts"].completion_ids.shape[1]
+  bucket = max(part["rollouts"].prompt_ids.shape[1] for part, _ in chosen)
+  longest = max(int(part["rollouts"].prompt_lengths[part["rollouts"].prompt_index[rows]].max())
+                for part, rows in chosen)
+  width = min(bucket, -(-(completion + longest) // multiple) * multiple - completion)
+  parts = list({id(part): part for part, _ in chosen}.values())  # in order of first use
+  rows = {id(part): [i for p, r in chosen if p is part for i in range(r.start, r.stop)] for part in parts}
+  pieces = [learner_arrays(part["rollouts"], rows[id(part)], width) for part in parts]
+  if len(pieces) == 1:
+    return pieces[0]
+  # Part by part, then back to the groups' order (refills' groups may come between a part's).
+  place = {key: i for i, key in enumerate((id(part), row) for part in parts for row in rows[id(part)])}
+  order = np.asarray([place[id(part), i] for part, r in chosen for i in range(r.start, r.stop)])
+  xp = jnp if isinstance(pieces[0]["input_ids"], jax.Array) else np
+  return {k: xp.concatenate([piece[k] for piece in pieces])[order] for k in pieces[0]}
 
 
 @dataclasses.dataclass
@@ -187,10 +187,23 @@ class StepRollouts:
 
   batch: LearnerBatch
   rewards: np.ndarray  # [B] of the selected groups
-  chosen: list  # (arrays, rewards, part, rows) per selected group
+  correct: np.ndarray  # [B] bool, the verifier's verdicts
+  chosen: list  # (part, rows) per selected group
   parts: list  # every sampling round of the step (refills included)
   refills: int
   critic_targets: tuple | None = None  # PPO: ([B, L-1] returns, [B, L-1] values at rollout)
+
+  def gather(self, field: str) -> np.ndarray:
+    """:func:`chosen_field` of the selected groups."""
+    return chosen_field(self.chosen, field)
+
+
+def chosen_field(chosen: list[tuple], field: str) -> np.ndarray:
+  """``[B]`` a per-completion host field of the ``chosen`` groups, in batch order:
+  ``completion_lengths`` or ``finish_reason`` of the rollouts, ``reward`` or ``correct`` of the
+  scores."""
+  source = "rollouts" if field in ("completion_lengths", "finish_reason") else "scored"
+  return np.concatenate([np.asarray(getattr(part[source], field))[rows] for part, rows in chosen])
 
 
 def critic_advantages(run: Run, critic_state, arrays: dict, rewards: np.ndarray):
@@ -202,11 +215,11 @@ def critic_advantages(run: Run, critic_state, arrays: dict, rewards: np.ndarray)
     are next-token aligned as :meth:`~rft_jax.rl.critic.Critic.values`.
   """
   c = run.config.critic
-  values = np.asarray(host_array(run.critic.values(critic_state, arrays["input_ids"], arrays["attention_mask"])))
-  mask = arrays["response_mask"][:, 1:] * arrays["attention_mask"][:, 1:]
-  advantages, returns = gae_advantages(outcome_token_rewards(jnp.asarray(rewards), jnp.asarray(mask)),
-                                       jnp.asarray(values), jnp.asarray(mask), gamma=c.gamma, lam=c.lam)
-  return np.pad(np.asarray(advantages), ((0, 0), (1, 0))), np.asarray(returns), values
+  values = run.critic.values(critic_state, arrays["input_ids"], arrays["attention_mask"])
+  mask = jnp.asarray(arrays["response_mask"][:, 1:] * arrays["attention_mask"][:, 1:])
+  advantages, returns = gae_advantages(outcome_token_rewards(jnp.asarray(rewards), mask), values, mask,
+                                       gamma=c.gamma, lam=c.lam)
+  return jnp.pad(advantages, ((0, 0), (1, 0))), returns, values
 
 
 def step_rollouts(run: Run, state, step: int) -> StepRollouts:
@@ -222,12 +235,13 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
       break
     refills += 1
     parts.append(sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101 + refills))
-  arrays, rewards, chosen = _select_groups(parts, n, groups, cfg.dynamic_sampling)
-  shaped = rewards
+  chosen = _select_groups(parts, n, groups, cfg.dynamic_sampling)
+  arrays = batch_arrays(chosen)
+  rewards = shaped = chosen_field(chosen, "reward").astype(np.float32)
+  correct = chosen_field(chosen, "correct").astype(bool)
   if cfg.learner.beta_rank > 0:  # the unlikeliness reward: on the advantages' input only
-    correct = np.concatenate([np.asarray(p["scored"].correct)[rows] for _, _, p, rows in chosen])
     likelihood = mean_token_logp(arrays["sampler_logp"], arrays["response_mask"])
-    shaped = np.asarray(unlikeliness_rewards(rewards.reshape(-1, n), correct.reshape(-1, n),
+    shaped = host_array(unlikeliness_rewards(rewards.reshape(-1, n), correct.reshape(-1, n),
                                              likelihood.reshape(-1, n), beta_rank=cfg.learner.beta_rank)).reshape(-1)
   critic_targets = None
   if run.critic is not None:
@@ -237,17 +251,19 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
     advantages = compute_advantages(jnp.asarray(shaped), n, cfg.learner.advantage,
                                     **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
                                        if cfg.learner.advantage == "grpo" else {}))
-  # Host arrays, the same on every process: the learner lays them out on its mesh.
+  # Device arrays where the sampler left them: the learner lays them out on its mesh.
   batch = LearnerBatch(input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"],
-                       response_mask=arrays["response_mask"], advantages=np.asarray(advantages),
+                       response_mask=arrays["response_mask"], advantages=advantages,
                        sampler_logp=arrays["sampler_logp"])
-  return StepRollouts(batch, rewards, chosen, parts, refills, critic_targets)
+  return StepRollouts(batch, rewards, correct, chosen, parts, refills, critic_targets)
 
 
 def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict) -> list[dict]:
-  """One record per completion the learner took at ``step`` (``rollouts.jsonl``), in batch order."""
+  """One record per completion the learner took at ``step`` (``rollouts.jsonl``), in batch order.
+  ``row_stats`` holds ``[B]`` host arrays: the learner's (``Learner.step(rows=True)``) and
+  ``advantage`` (:func:`row_advantages`)."""
   records, row = [], 0
-  for _, _, part, rows in rollouts.chosen:
+  for part, rows in rollouts.chosen:
     r = part["rollouts"]
     prompt = part["prompts"][r.prompt_index[rows.start]]
     text = run.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
@@ -255,17 +271,21 @@ def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict
       records.append({
           "step": step, "prompt": text, "completion": part["texts"][i], "answer": prompt.example.answer,
           "reward": float(part["scored"].reward[i]), "correct": bool(part["scored"].correct[i]),
-          "advantage": _row_advantage(rollouts.batch, row), "length": int(r.completion_lengths[i]),
+          "length": int(r.completion_lengths[i]),
           "finish_reason": str(r.finish_reason[i]),
           **{k: (int(v[row]) if k == "masked_tokens" else float(v[row])) for k, v in row_stats.items()}})
       row += 1
   return records
 
 
-def _row_advantage(batch: LearnerBatch, row: int) -> float:
-  """A completion's advantage: GRPO's, or the mean of PPO's token advantages over its tokens."""
-  advantage = np.asarray(batch.advantages[row])
-  return float(advantage if advantage.ndim == 0 else advantage[np.asarray(batch.response_mask[row]) > 0].mean())
+def row_advantages(batch: LearnerBatch) -> np.ndarray:
+  """``[B]`` each completion's advantage: GRPO's, or the mean of PPO's token advantages over its
+  tokens (a collective on several processes: every process calls it)."""
+  if np.ndim(batch.advantages) == 1:
+    return np.asarray(host_array(batch.advantages))
+  mask = jnp.asarray(batch.response_mask, jnp.float32)
+  total = jnp.sum(jnp.asarray(batch.advantages) * mask, axis=1)
+  return np.asarray(host_array(total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)))
 
 
 def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
@@ -274,14 +294,15 @@ def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict
   :class:`~rft_jax.train.metrics_log.JsonlFile`), when given."""
   n = run.config.sampling.n
   rollouts = step_rollouts(run, state, step)
-  batch, rewards, chosen, parts, refills = (rollouts.batch, rollouts.rewards, rollouts.chosen,
-                                            rollouts.parts, rollouts.refills)
+  batch, rewards, parts, refills = rollouts.batch, rollouts.rewards, rollouts.parts, rollouts.refills
   every = run.config.log_rollouts_every
   policy, critic_state = (state.policy, state.critic) if run.critic is not None else (state, None)
   t0 = time.perf_counter()
-  if rollouts_log is not None and every and step % every == 0:
+  if every and step % every == 0:  # on every process: the per-row values are collectives
     policy, metrics, row_stats = run.learner.step(policy, batch, rows=True)
-    rollouts_log.write(rollout_records(run, step, rollouts, row_stats))
+    row_stats["advantage"] = row_advantages(batch)
+    if rollouts_log is not None:
+      rollouts_log.write(rollout_records(run, step, rollouts, row_stats))
   else:
     policy, metrics = run.learner.step(policy, batch)
   learn_time = time.perf_counter() - t0
@@ -293,9 +314,8 @@ def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict
     metrics.update(critic_metrics, time_critic=time.perf_counter() - t1)
     state = ActorCriticState(policy=policy, critic=critic_state)
 
-  lengths = np.concatenate([p["rollouts"].completion_lengths[rows] for _, _, p, rows in chosen])
-  finish = np.concatenate([p["rollouts"].finish_reason[rows] for _, _, p, rows in chosen])
-  correct = np.concatenate([np.asarray(p["scored"].correct)[rows] for _, _, p, rows in chosen])
+  lengths, finish = rollouts.gather("completion_lengths"), rollouts.gather("finish_reason")
+  correct = rollouts.correct
   all_rewards = np.concatenate([np.asarray(p["scored"].reward) for p in parts]).reshape(-1, n)
   sample_time = sum(p["sample_time"] for p in parts)
   tokens = int(sum(p["rollouts"].completion_lengths.sum() for p in parts))
