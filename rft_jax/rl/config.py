@@ -160,7 +160,8 @@ class LearnerConfig:
       is of softmax(z / T). None: 1.0 standalone; in a run, taken from sampling.temperature.
     stats_chunk_size: positions per chunk of ``token_stats``.
     forecast_every: every this many steps, measure the entropy change of the update
-      on the same batch (one extra forward pass; 0: never).
+      on the same batch and its exact first-order forecast (one extra forward pass with
+      tangents and a copy of the parameters; 0: never).
   """
 
   advantage: str = "grpo"

@@ -25,7 +25,10 @@ beside the state, never donated) for the reference log-probs of the KL term.
 
 When the step is a single update on a single micro-batch (``mini_batches = ppo_epochs = 1``
 and ``micro_batch_size`` = the batch), steps 1-3 share one forward pass: the statistics of
-step 1 are the stop-gradient of the forward the gradient is taken through.
+step 1 are the stop-gradient of the forward the gradient is taken through. A single update on
+several micro-batches shares them too when nothing is chosen over the whole batch (no entropy
+mask, no entropy method): each micro-batch's statistics come from its gradient's forward
+(:meth:`Learner.shares_forward_pass`).
 
 Batches are split into micro-batches by striding rows (micro-batch ``i`` holds rows
 ``i, i + n, ...``) so that each micro-batch stays spread over the data-parallel devices.
@@ -129,6 +132,7 @@ class Learner:
     self.reference = None  # frozen reference parameters, set by init() when kl_coef > 0
     self._train_step = None  # compiled on the first step, with the state's shardings
     self._mean_entropy = jax.jit(self._mean_entropy_fn, static_argnums=2)
+    self._entropy_change = jax.jit(self._entropy_change_fn, static_argnums=3)
 
   # ---------------------------------------------------------------------------------------
   # State.
@@ -226,14 +230,16 @@ class Learner:
                        f"learner.micro_batch_size={self.config.micro_batch_size}")
     return batch_size // self.config.micro_batch_size
 
-  def batch_stats(self, params, batch: LearnerBatch, stats_from_column: int = 0):
+  def batch_stats(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False):
     """``token_stats`` of ``batch``'s next-token positions predicting the tokens of columns
     ``max(stats_from_column, 1) ..`` (``[B, L-1-p]``, ``p = first_stats_position(stats_from_column)``;
-    ``[B, L-1]`` by default), micro-batch by micro-batch."""
+    ``[B, L-1]`` by default), micro-batch by micro-batch; ``entropy_grad``: the entropy carries
+    derivatives (``token_stats``)."""
     n = self._micro_batches(batch.input_ids.shape[0])
     ids, attn = (self._shard_batch(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
     first_position = first_stats_position(stats_from_column)
-    stats = jax.lax.map(lambda xs: self._token_stats(params, *xs, first_position=first_position), (ids, attn))
+    stats = jax.lax.map(lambda xs: self._token_stats(params, *xs, entropy_grad=entropy_grad,
+                                                     first_position=first_position), (ids, attn))
     return jax.tree.map(merge_rows, stats)
 
   def _loss_normaliser(self, loss_mask, input_ids):
@@ -268,10 +274,12 @@ class Learner:
     return loss, counts
 
   def _micro_loss(self, params, micro, normaliser, first_update, first_position):
+    """The micro-batch's loss; aux: its clip counts and (stop-gradient) statistics."""
     stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
                               entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
-    return self._loss_terms(stats, micro, normaliser, old_logp)
+    loss, counts = self._loss_terms(stats, micro, normaliser, old_logp)
+    return loss, (counts, jax.lax.stop_gradient(stats))
 
   def _batch_token_choices(self, stats, per_token, response, sampler_logp, step):
     """The whole batch's entropy keep-mask and entropy-method tokens (``rft_jax.rl.entropy_mask``,
@@ -302,8 +310,11 @@ class Learner:
     params = optax.apply_updates(state.params, updates)
     return TrainState(params=params, opt_state=opt_state, step=state.step), optax.tree.norm(grads)
 
-  def _update(self, state: TrainState, mini: dict, first_update: bool, first_position: int):
-    """One optimizer step on a mini-batch, accumulating over its micro-batches."""
+  def _update(self, state: TrainState, mini: dict, first_update: bool, first_position: int,
+              with_stats: bool = False):
+    """One optimizer step on a mini-batch, accumulating over its micro-batches: ``(state, loss,
+    grad_norm, counts)``, and with ``with_stats`` the mini-batch's ``[b, T]`` statistics of the
+    forward passes the gradients were taken through."""
     n = self._micro_batches(mini["input_ids"].shape[0])
     normaliser = self._loss_normaliser(mini["loss_mask"], mini["input_ids"])
     micros = {k: self._shard_batch(split_rows(v, n)) for k, v in mini.items()}
@@ -311,17 +322,19 @@ class Learner:
 
     def accumulate(carry, micro):
       grads, loss, counts = carry
-      (micro_loss, micro_counts), micro_grads = grad_fn(
+      (micro_loss, (micro_counts, stats)), micro_grads = grad_fn(
           state.params, micro, normaliser, first_update, first_position)
       counts = merge_counts(counts, micro_counts)
-      return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), None
+      return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), (stats if with_stats else None)
 
     zero_counts = {"clipped_low": 0, "clipped_high": 0, "clipped_dual": 0, "ratio_dev_max": 0.0}
     zero_counts = {k: jnp.asarray(v, jnp.float32 if k == "ratio_dev_max" else jnp.int32)
                    for k, v in zero_counts.items()}
     init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zero_counts)
-    (grads, loss, counts), _ = jax.lax.scan(accumulate, init, micros)
+    (grads, loss, counts), stats = jax.lax.scan(accumulate, init, micros)
     state, grad_norm = self._apply(state, grads)
+    if with_stats:
+      return state, loss, grad_norm, counts, jax.tree.map(merge_rows, stats)
     return state, loss, grad_norm, counts
 
   # ---------------------------------------------------------------------------------------
@@ -331,6 +344,15 @@ class Learner:
     """Whether a step on ``batch_size`` rows takes one forward pass (one update, one micro-batch)."""
     c = self.config
     return c.mini_batches == 1 and c.ppo_epochs == 1 and self._micro_batches(batch_size) == 1
+
+  def shares_forward_pass(self, batch_size: int) -> bool:
+    """Whether the step's statistics come from the forward passes of its gradients (no separate
+    pre-update pass): one update, and either one micro-batch or nothing chosen over the whole
+    batch (no entropy mask, no entropy method), so each micro-batch's loss needs only its own
+    statistics. Otherwise a pre-update pass runs first (one more forward of the batch)."""
+    c = self.config
+    local = c.entropy_mask.kind == "none" and c.entropy_method.kind == "none"
+    return c.mini_batches == 1 and c.ppo_epochs == 1 and (local or self.is_single_pass(batch_size))
 
   def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int) -> jax.Array | None:
     """``[B, L-1-p]`` reference log-probs of the tokens from column ``stats_from_column`` on (see
@@ -372,6 +394,11 @@ class Learner:
           state.params, per_token, response, sampler_logp, first_position, state.step)
       state, grad_norm = self._apply(state, grads)
       loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
+    elif self.shares_forward_pass(batch.input_ids.shape[0]):  # every token in the loss
+      per_token = dict(per_token, loss_mask=response)
+      state, loss, grad_norm, counts, stats = self._update(state, per_token, True, first_position, with_stats=True)
+      _, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
+      loss_mask, losses, grad_norms, updates_done = response, [loss], [grad_norm], 1
     else:
       stats = self.batch_stats(state.params, batch, stats_from_column)
       per_token, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
@@ -428,11 +455,26 @@ class Learner:
             "s_star_mean": jnp.sum(jnp.where(valid, stats.s_star, 0.0), axis=1) / tokens,
             "masked_tokens": jnp.sum(masked, axis=1)}
 
-  def _mean_entropy_fn(self, params, batch: LearnerBatch, stats_from_column: int = 0):
-    stats = self.batch_stats(params, batch, stats_from_column)
+  def _mean_entropy_fn(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False):
+    stats = self.batch_stats(params, batch, stats_from_column, entropy_grad)
     targets = slice(first_stats_position(stats_from_column) + 1, None)
     valid = batch.response_mask[:, targets] * batch.attention_mask[:, targets]
     return masked_mean(stats.entropy, valid)
+
+  def _entropy_change_fn(self, before, after, batch: LearnerBatch, stats_from_column: int = 0):
+    r"""``(H(after), dH)``: the token-mean entropy of ``batch``'s responses under parameters
+    ``after``, and the exact first-order change of the entropy under the update applied,
+    :math:`
+abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
+    along ``after - before``; same tokens, same temperature).
+
+    Corollary 4 forecasts the change in logit space, as if each token's logits moved by its own
+    step; this is what the shared parameters actually do to first order, so the two forecasts'
+    ratio measures how much the coupling through the weights changes the paper's picture."""
+    tangent = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), after, before)
+    _, first_order = jax.jvp(lambda p: self._mean_entropy_fn(p, batch, stats_from_column, entropy_grad=True),
+                             (before,), (tangent,))
+    return self._mean_entropy_fn(after, batch, stats_from_column), first_order
 
   def _compile(self, state: TrainState, batch: LearnerBatch, reference=None):
     """``jax.jit`` of the step with explicit shardings when a mesh is given: the state keeps
@@ -497,9 +539,12 @@ class Learner:
     values unchanged, step counter included, with ``metrics["nonfinite_skipped"] == 1.0``.
     ``batch`` is placed with :meth:`place_batch`; its :func:`first_response_column` (read on the
     host) is where the step's statistics start (one compiled program per value). Every
-    ``forecast_every`` steps the entropy of the updated policy on the same batch is measured (one
-    more forward pass) next to the first-order forecast. The metrics are read back on every
-    process.
+    ``forecast_every`` steps the entropy of the updated policy on the same batch is measured
+    (``entropy_change_measured``) next to two first-order forecasts: Corollary 4's
+    (``entropy_change_forecast``, every step) and the exact one of the update applied
+    (``entropy_change_first_order``, :meth:`_entropy_change_fn`); those steps keep a copy of the
+    parameters beside the step and run one more forward pass with tangents. The metrics are
+    read back on every process.
     """
     every = self.config.forecast_every
     measure = every > 0 and int(host_array(state.step)) % every == 0
@@ -508,11 +553,13 @@ class Learner:
     reference = self._step_reference(batch)
     if self._train_step is None:
       self._train_step = self._compile(state, batch, reference)
+    before = jax.tree.map(jnp.copy, state.params) if measure else None  # the step donates state
     new_state, metrics, row_stats = self._train_step(state, batch, reference, column)
     metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:
-      measured = float(host_array(self._mean_entropy(new_state.params, batch, column)))
-      metrics["entropy_change_measured"] = measured - metrics["entropy"]
+      after, first_order = self._entropy_change(before, new_state.params, batch, column)
+      metrics["entropy_change_measured"] = float(host_array(after)) - metrics["entropy"]
+      metrics["entropy_change_first_order"] = float(host_array(first_order))
     if rows:
       return new_state, metrics, {k: np.asarray(host_array(v)) for k, v in row_stats.items()}
     return new_state, metrics

@@ -87,7 +87,6 @@ def _record(state: LoopState, tokens: Int[Array, "R"], logp: Float[Array, "R"],
   )
 
 
-MIN_SEGMENT = 16
 SLOT_MULTIPLE = 16
 
 
@@ -99,11 +98,12 @@ def cache_slots(prompt_length: int, new_tokens: int) -> int:
   return -(-(prompt_length + new_tokens - 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
-def segment_ends(max_new_tokens: int, segments: int) -> tuple[int, ...]:
+def segment_ends(max_new_tokens: int, segments: int, min_tokens: int = 256) -> tuple[int, ...]:
   """Token counts at which decode segments end: ``M, M/2, M/4, ...`` (at most ``segments``, none
-  below :data:`MIN_SEGMENT` tokens), increasing; e.g. ``(16, 32, 64, 128)`` for 128 and 4."""
+  below ``min_tokens``), increasing; e.g. ``(896, 1792, 3584, 7168)`` for 7,168, 4 and 256,
+  ``(16, 32, 64, 128)`` for 128, 4 and 16."""
   ends = [max_new_tokens]
-  while len(ends) < segments and ends[-1] // 2 >= MIN_SEGMENT:
+  while len(ends) < segments and ends[-1] // 2 >= min_tokens:
     ends.append(ends[-1] // 2)
   return tuple(reversed(ends))
 
@@ -131,7 +131,7 @@ class LoopSpec:
   @classmethod
   def of(cls, params: SamplingParams, cache_dtype=None) -> LoopSpec:
     return cls(params.n, params.max_new_tokens, params.stop_token_ids, Strategy.of(params),
-               segment_ends(params.max_new_tokens, params.cache_segments),
+               segment_ends(params.max_new_tokens, params.cache_segments, params.min_segment_tokens),
                None if cache_dtype is None else jnp.dtype(cache_dtype))
 
 

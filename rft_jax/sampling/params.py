@@ -38,6 +38,10 @@ class SamplingParams:
       last one ``max_new_tokens``): a step then reads the slots of its segment, at most about
       twice the live context, instead of every preallocated slot. Each segment is one more
       compiled decode body; 1 turns it off.
+    min_segment_tokens: no segment shorter than this many new tokens: below it the reads a
+      segment saves are worth less than the compile time of its decode body (on CPU at 128 new
+      tokens, 4 segments of 16-128 compiled in 11 s against 7.5 s for one, and decoded no
+      faster; ``benchmarks/sampler.py --segments``).
     max_rollouts_per_call: the most rows (prompts x ``n``, dummy padding rows included) one
       compiled call decodes at once, i.e. what bounds its KV cache; ``generate`` runs larger
       batches as several calls of ``max_rollouts_per_call // n`` prompts (rounded down to a
@@ -54,6 +58,7 @@ class SamplingParams:
   max_new_tokens: int = 256
   stop_token_ids: tuple[int, ...] = ()
   cache_segments: int = 4
+  min_segment_tokens: int = 256
   max_rollouts_per_call: int | None = None
 
   def __post_init__(self):
@@ -65,7 +70,8 @@ class SamplingParams:
     _check_int("top_k", self.top_k, minimum=0)
     _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
     _check_int("cache_segments", self.cache_segments, minimum=1)
-    for name in ("n", "top_k", "max_new_tokens", "cache_segments"):
+    _check_int("min_segment_tokens", self.min_segment_tokens, minimum=1)
+    for name in ("n", "top_k", "max_new_tokens", "cache_segments", "min_segment_tokens"):
       object.__setattr__(self, name, int(getattr(self, name)))
     if self.max_rollouts_per_call is not None:
       if not _is_int(self.max_rollouts_per_call) or self.max_rollouts_per_call < self.n:

@@ -11,7 +11,8 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
 ``actor/``      the policy update: loss, gradient norm, learning rate, entropy, PPO clip
                 fractions, KL, non-finite steps
 ``entropy/``    the paper's statistics: S_*, S_* - E_p[S], Corollary 4's forecast of the
-                entropy change and the measured change
+                entropy change, the exact first-order change of the update applied and the
+                measured change
 ``mask/``       the shares of tokens the entropy mask (Clip_B / Clip_V) or method removes
 ``critic/``     PPO's value model: value loss, clip fraction, explained variance
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
@@ -40,6 +41,7 @@ NAMES = {
     # entropy/: the paper's statistics
     "s_star_mean": "entropy/s_star_mean", "s_centered_mean": "entropy/s_centered_mean",
     "entropy_change_forecast": "entropy/forecast", "entropy_change_measured": "entropy/measured",
+    "entropy_change_first_order": "entropy/first_order",
     # mask/: what the entropy mask or method takes out
     "mask_frac": "mask/frac", "mask_frac_positive": "mask/frac_pos", "mask_frac_negative": "mask/frac_neg",
     "method_frac": "mask/method_frac",

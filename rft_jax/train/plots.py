@@ -43,19 +43,22 @@ def _plot_per_step(ax, records, key, color, style="-"):
     ax.plot(steps, values, style, color=color, alpha=0.25, linewidth=0.8)
 
 
-def _forecast_pairs(records: Sequence[dict]) -> np.ndarray:
+def _forecast_pairs(records: Sequence[dict], forecast: str = "entropy/forecast") -> np.ndarray:
   """``[N, 2]``: (forecast, measured) entropy change of each step that has both."""
-  return np.array([(r["entropy/forecast"], r["entropy/measured"]) for r in records
-                   if r.get("entropy/forecast") is not None
-                   and r.get("entropy/measured") is not None], np.float64).reshape(-1, 2)
+  return np.array([(r[forecast], r["entropy/measured"]) for r in records
+                   if r.get(forecast) is not None and r.get("entropy/measured") is not None],
+                  np.float64).reshape(-1, 2)
 
 
-def forecast_correlation(records: Sequence[dict]) -> float:
-  """Pearson correlation over a run's steps of the Corollary 4 forecast
-  ``-lr Cov(A, S_* - E_p[S])`` with the measured entropy change (NaN under 3 steps or with
-  a constant series). The forecast is first-order in a logit step of size ``lr``; an optimizer
-  moves parameters instead, so the two agree in sign and proportion, not in scale."""
-  pairs = _forecast_pairs(records)
+def forecast_correlation(records: Sequence[dict], forecast: str = "entropy/forecast") -> float:
+  """Pearson correlation over a run's steps of a forecast of the entropy change with the
+  measured change (NaN under 3 steps or with a constant series).
+
+  ``entropy/forecast`` is Corollary 4's ``-lr Cov(A, S_* - E_p[S])``, first-order in a logit step
+  of size ``lr``; an optimizer moves parameters instead, so the two agree in sign and proportion,
+  not in scale. ``entropy/first_order`` is the exact first-order change under the update applied
+  (the jvp along the parameters' change), which should track the measurement in scale too."""
+  pairs = _forecast_pairs(records, forecast)
   if len(pairs) < 3 or np.any(np.std(pairs, axis=0) == 0):
     return float("nan")
   return float(np.corrcoef(pairs.T)[0, 1])
