@@ -59,6 +59,11 @@ class EntropyMaskConfig:
       (default: recomputed by the learner, like the entropy) or ``sampler`` (the rollout's, as
       the authors' Clip_B; see ``rft_jax.entropy.clipping``).
     sign / action: for ``kind=sign``: ``positive``/``negative`` S_*, ``keep``/``drop``.
+    target_entropy: with ``clip_b`` / ``clip_v``, choose the cut ``mu_low`` per batch to hold
+      the policy's mean token entropy near this value (``rft_jax.rl.entropy_mask.
+      entropy_target_cut``; None: the fixed cut). target_band: how far below the target, as a
+      share of it, the most entropy-raising cut is taken (the asked effect grows linearly
+      from the target down to there).
   """
 
   kind: str = "none"
@@ -69,9 +74,17 @@ class EntropyMaskConfig:
   sign: str = "positive"
   action: str = "drop"
   logp_source: str = "learner"
+  target_entropy: Optional[float] = None
+  target_band: float = 0.1
 
   def __post_init__(self):
     _finite_numbers("entropy_mask", self)
+    if self.target_entropy is not None:
+      _positive("entropy_mask.target_entropy", self.target_entropy)
+      if self.kind not in ("clip_b", "clip_v"):
+        raise ValueError(f"entropy_mask.target_entropy chooses a Clip_B / Clip_V cut: set entropy_mask.kind "
+                         f"to clip_b or clip_v, not {self.kind!r}")
+    _positive("entropy_mask.target_band", self.target_band)
     _choice("entropy_mask.kind", self.kind, ENTROPY_MASKS)
     _choice("entropy_mask.samples", self.samples, SAMPLES)
     _choice("entropy_mask.sign", self.sign, ("positive", "negative"))

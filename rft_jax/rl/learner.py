@@ -63,7 +63,7 @@ from rft_jax.rl.batching import (
     split_rows,
 )
 from rft_jax.rl.config import LearnerConfig
-from rft_jax.rl.entropy_mask import entropy_keep_mask
+from rft_jax.rl.entropy_mask import entropy_keep_mask, entropy_target_cut
 from rft_jax.rl.entropy_methods import MethodTokens, method_policy_loss, method_tokens
 from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
 from rft_jax.rl.nonfinite import keep_if_finite
@@ -442,6 +442,8 @@ class Learner:
     if c.entropy_method.kind != "none":  # the share of loss tokens the method drops or penalises
       touched = tokens.penalised if c.entropy_method.kind == "kl_cov" else (tokens.weight == 0)
       metrics["method_frac"] = jnp.sum(touched & (loss_mask > 0)) / jnp.maximum(jnp.sum(loss_mask > 0), 1)
+    if c.entropy_mask.target_entropy is not None:  # the cut the entropy target chose, and why
+      _, metrics["target_mu"], metrics["target_share"] = entropy_target_cut(c, stats, sampler_logp, advantages, response)
     if ref_logp is not None:  # measured with the pre-update parameters
       metrics["kl"] = masked_mean(kl_penalty(stats.logp, ref_logp, c.kl_estimator), valid)
     state, metrics["nonfinite_skipped"] = keep_if_finite(state, start, losses + grad_norms)

@@ -44,7 +44,7 @@ NAMES = {
     "entropy_change_first_order": "entropy/first_order",
     # mask/: what the entropy mask or method takes out
     "mask_frac": "mask/frac", "mask_frac_positive": "mask/frac_pos", "mask_frac_negative": "mask/frac_neg",
-    "method_frac": "mask/method_frac",
+    "method_frac": "mask/method_frac", "target_mu": "mask/target_mu", "target_share": "mask/target_share",
     # critic/: PPO's value model (learner.advantage: gae)
     "value_loss": "critic/value_loss", "value_clipfrac": "critic/value_clipfrac",
     "value_mean": "critic/value_mean", "explained_variance": "critic/explained_variance",
