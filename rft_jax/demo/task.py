@@ -90,3 +90,23 @@ def write_problems(problems: list[MathExample], path: str) -> str:
   with open(path, "w") as f:
     f.writelines(json.dumps({"question": p.question, "answer": p.answer, "id": p.id}) + "\n" for p in problems)
   return path
+
+
+def token_class(problem: MathExample, text: str, start: int, end: int) -> str:
+  """The demo's token classes for ``rft-jax attribute --token-classes rft_jax.demo.task:token_class``:
+  ``carry digit`` (a digit of the written sum that receives a carry: where the careless teacher
+  slipped), ``sum digit`` (another digit of the sum), ``operand digit``, ``separator`` or ``other``.
+  A number after ``=`` or ``{`` is a sum; the token is ``text[start:end]`` of the completion."""
+  piece = text[start:end]
+  if len(piece) != 1 or not piece.isdigit():
+    return "separator" if piece.strip() in ("", "+", "=", ".", "{", "}") else "other"
+  run_start, run_end = start, end
+  while run_start > 0 and text[run_start - 1].isdigit():
+    run_start -= 1
+  while run_end < len(text) and text[run_end].isdigit():
+    run_end += 1
+  if run_start == 0 or text[run_start - 1] not in "={":
+    return "operand digit"
+  a, b = (int(x) for x in problem.id.split("+"))
+  column = run_end - 1 - start  # units = 0
+  return "carry digit" if column - 1 in carrying_columns(a, b) else "sum digit"

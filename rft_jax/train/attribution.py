@@ -1,0 +1,161 @@
+r"""Token-level attribution of a GRPO step's entropy change (Theorem 2), as a page to read.
+
+For a few problems, ``k`` completions each are sampled from a policy and scored; GRPO's group
+advantages :math:`A` give every completion token its Theorem 2 forecast
+
+.. math::  \Delta H_t = -\alpha\,(S_{*,t} - \mathbb{E}_{p_t}[S]), \qquad \alpha = \eta A \ (r = 1),
+
+the first-order change of that position's entropy under the step on its own logits: positive
+(entropy-raising) or negative (entropy-lowering). The page colours each token by it (red lowers,
+blue raises), marks the tokens the run's entropy mask (Clip_B / Clip_V) would take out of the loss,
+and shows :math:`p_k`, :math:`H`, :math:`S_*`, :math:`\mathbb{E}_p[S]` on hover. A table sums the
+forecasts by token class over every token (GRPO's loss) and over the tokens the mask keeps: which
+classes carry the entropy decrease, and what the mask removes of it.
+
+``rft-jax attribute --model RUN_OR_HF_DIR --data FILE [--out attribution.html]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import string
+from collections import defaultdict
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from rft_jax.data import MathExample
+from rft_jax.entropy import token_stats
+from rft_jax.rewards import RewardConfig, score_batch
+from rft_jax.rl.advantages import compute_advantages
+from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
+from rft_jax.rl.entropy_mask import entropy_keep_mask
+from rft_jax.sampling import SamplingParams, generate
+
+# token class of a completion's token: (problem, completion text, start, end of the token) -> name
+TokenClass = Callable[[MathExample, str, int, int], str]
+
+
+def character_class(problem: MathExample, text: str, start: int, end: int) -> str:
+  """``digit``, ``separator`` (whitespace or punctuation) or ``other``, by the token's text."""
+  piece = text[start:end].strip()
+  if piece and all(c.isdigit() for c in piece):
+    return "digit"
+  if not piece or all(c in string.punctuation for c in piece):
+    return "separator"
+  return "other"
+
+
+@dataclasses.dataclass
+class Completion:
+  """One sampled completion, token by token (``[T]`` arrays over its tokens)."""
+
+  problem: MathExample
+  tokens: list[str]
+  classes: list[str]
+  advantage: float
+  reward: float
+  p: np.ndarray
+  entropy: np.ndarray
+  s_star: np.ndarray
+  expected_s: np.ndarray
+  forecast: np.ndarray
+  masked: np.ndarray
+
+
+def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k: int, temperature: float,
+              max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, lr: float,
+              mask: EntropyMaskConfig, seed: int = 0, token_class: TokenClass = character_class) -> list[Completion]:
+  """Samples ``k`` completions of each problem with ``model`` and attributes their tokens (see the
+  module docstring); ``mask`` is the entropy mask marked (``kind=none``: nothing masked)."""
+  prompts = [prompt_fn(p.question) for p in problems]
+  rollouts = generate(model, prompts, SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
+                                                     stop_token_ids=stop_ids), seed=seed)
+  texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
+  examples = [problems[i] for i in rollouts.prompt_index]
+  scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
+                       [int(x) for x in rollouts.completion_lengths], rewards)
+  advantages = np.asarray(compute_advantages(jnp.asarray(scored.reward, jnp.float32), k))
+  arrays = rollouts.to_learner_arrays()
+  ids = jnp.asarray(arrays["input_ids"])
+  hidden = model(ids, jnp.asarray(arrays["attention_mask"]), return_hidden=True)
+  stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding(), temperature=temperature)
+  response = jnp.asarray(arrays["response_mask"][:, 1:], jnp.float32)
+  token_adv = jnp.asarray(advantages)[:, None] * response
+  keep = entropy_keep_mask(LearnerConfig(entropy_mask=mask), stats, jnp.asarray(arrays["sampler_logp"][:, 1:]),
+                           token_adv, response)
+  forecast = np.asarray(-lr * token_adv * stats.centered)
+  stats, keep = [np.asarray(x) for x in stats], np.asarray(keep)
+  start = arrays["input_ids"].shape[1] - rollouts.completion_ids.shape[1] - 1  # position predicting the first
+  out = []
+  for row, (example, text) in enumerate(zip(examples, texts)):
+    n = int(rollouts.completion_lengths[row])
+    columns = slice(start, start + n)
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in rollouts.completion_ids[row, :n]]
+    offsets = np.cumsum([0] + [len(p) for p in pieces])
+    full = "".join(pieces)
+    out.append(Completion(
+        problem=example, tokens=pieces, advantage=float(advantages[row]), reward=float(scored.reward[row]),
+        classes=[token_class(example, full, int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])],
+        p=np.exp(stats[0][row, columns]), entropy=stats[1][row, columns], s_star=stats[2][row, columns],
+        expected_s=stats[3][row, columns], forecast=forecast[row, columns], masked=~keep[row, columns]))
+  return out
+
+
+def class_table(completions: Sequence[Completion]) -> list[dict]:
+  """Per token class: tokens, and the summed forecast over all of them (GRPO) and over those the
+  mask keeps; sorted by the GRPO sum (most entropy-lowering first)."""
+  rows = defaultdict(lambda: {"tokens": 0, "masked": 0, "grpo": 0.0, "kept": 0.0})
+  for c in completions:
+    for cls, f, m in zip(c.classes, c.forecast, c.masked):
+      r = rows[cls]
+      r["tokens"] += 1
+      r["masked"] += int(m)
+      r["grpo"] += float(f)
+      r["kept"] += 0.0 if m else float(f)
+  return sorted(({"class": k, **v} for k, v in rows.items()), key=lambda r: r["grpo"])
+
+
+def attribution_html(sections: Sequence[tuple[str, Sequence[Completion]]], mask_name: str) -> str:
+  """A static page: for each ``(title, completions)`` section, the coloured completions and the
+  class table."""
+  body = []
+  for title, completions in sections:
+    scale = max((float(np.abs(c.forecast).max()) for c in completions if len(c.forecast)), default=0.0) or 1.0
+    body.append(f"<h2>{html.escape(title)}</h2>")
+    for c in completions:
+      spans = "".join(_span(c, t, scale) for t in range(len(c.tokens)))
+      body.append(f'<p class="row"><span class="meta">{html.escape(c.problem.question)} A={c.advantage:+.2f} '
+                  f'reward={c.reward:g}</span><br>{spans}</p>')
+    head = f"<tr><th>class</th><th>tokens</th><th>{mask_name} masks</th><th>sum forecast, all (GRPO)</th>" \
+           f"<th>sum forecast, kept by {mask_name}</th></tr>"
+    cells = "".join(f"<tr><td>{html.escape(r['class'])}</td><td>{r['tokens']}</td><td>{r['masked']}</td>"
+                    f"<td>{r['grpo']:.3e}</td><td>{r['kept']:.3e}</td></tr>" for r in class_table(completions))
+    body.append(f"<table>{head}{cells}</table>")
+  return PAGE.format(mask=html.escape(mask_name), body="\n".join(body))
+
+
+def _span(c: Completion, t: int, scale: float) -> str:
+  f = float(c.forecast[t]) / scale
+  colour = f"rgba(200,30,30,{-f:.3f})" if f < 0 else f"rgba(30,80,220,{f:.3f})"
+  tip = (f"p={c.p[t]:.4f} H={c.entropy[t]:.4f} S*={c.s_star[t]:.3e} E_p[S]={c.expected_s[t]:.3e} "
+         f"forecast={c.forecast[t]:.3e} class={c.classes[t]}" + (" masked" if c.masked[t] else ""))
+  cls = ' class="masked"' if c.masked[t] else ""
+  return f'<span{cls} style="background:{colour}" title="{html.escape(tip)}">{html.escape(c.tokens[t])}</span>'
+
+
+PAGE = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>Token attribution of the entropy change</title>
+<style>body{{font-family:sans-serif;max-width:70em;margin:auto}} .row{{font-family:monospace;white-space:pre-wrap}}
+.meta{{color:#666;font-family:sans-serif;font-size:80%}} .masked{{outline:2px solid #000}}
+table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px}}</style></head><body>
+<h1>Token attribution of the entropy change (Theorem 2)</h1>
+<p>Each completion token is coloured by its forecast entropy change under one GRPO step on its own
+logits, -&alpha; (S<sub>*</sub> - E<sub>p</sub>[S]) with &alpha; = lr &times; A: red lowers the entropy, blue
+raises it (shade: size, scaled per section). Outlined tokens are those {mask} would take out of the loss.
+Hover a token for p, H, S<sub>*</sub>, E<sub>p</sub>[S].</p>
+{body}
+</body></html>
+"""
