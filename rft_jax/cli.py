@@ -138,12 +138,18 @@ def _export(args: argparse.Namespace) -> int:
   return 0
 
 
-def _sample_problems(args: argparse.Namespace, completions: bool = False):
-  """Loads the model (HF directory or run directory) and data, samples k answers each.
+def _sampling_inputs(args: argparse.Namespace):
+  """Loads the model (HF directory or run directory), its tokenizer and the questions.
 
   A run directory gives the defaults: its prompt (instruction, system prompt), data format,
   longest answer (``eval.max_new_tokens``, else ``sampling.max_new_tokens``) and reward; for an
-  HF directory they are the training defaults. The command's options override either."""
+  HF directory they are the training defaults. The command's options override either.
+
+  Returns:
+    ``(model, tokenizer, problems, sampling)``: ``sampling`` holds the keyword arguments of
+    :func:`rft_jax.train.evaluate.evaluate` but ``k``, ``temperature`` and ``seed``, and ``config``,
+    the run's config (None for an HF directory).
+  """
   import dataclasses
   import os
 
@@ -151,7 +157,6 @@ def _sample_problems(args: argparse.Namespace, completions: bool = False):
   from rft_jax.models import load_hf, load_tokenizer
   from rft_jax.rewards import RewardConfig
   from rft_jax.train.config import ConfigError, DataConfig
-  from rft_jax.train.evaluate import evaluate
   from rft_jax.train.loop import prompt_ids, stop_token_ids
   from rft_jax.train.resolve import reward_config
 
@@ -168,11 +173,48 @@ def _sample_problems(args: argparse.Namespace, completions: bool = False):
   data = dataclasses.replace(data, **{k: v for k, v in overrides.items() if v is not None})
   problems, _ = load_math_dataset(args.data, args.format or (data.format if cfg else "jsonl"), on_bad_row="skip")
   rewards = reward_config(cfg, [p.question for p in problems]) if cfg else RewardConfig()
-  result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature,
-                    max_new_tokens=args.max_new_tokens or max_new_tokens,
-                    stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id), rewards=rewards,
-                    prompt_fn=lambda q: prompt_ids(tokenizer, data, q), seed=args.seed, completions=completions)
+  sampling = dict(max_new_tokens=args.max_new_tokens or max_new_tokens,
+                  stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id), rewards=rewards,
+                  prompt_fn=lambda q: prompt_ids(tokenizer, data, q), config=cfg)
+  return model, tokenizer, problems, sampling
+
+
+def _sample_problems(args: argparse.Namespace, completions: bool = False):
+  """:func:`_sampling_inputs`, then ``k`` answers to each question."""
+  from rft_jax.train.evaluate import evaluate
+
+  model, tokenizer, problems, sampling = _sampling_inputs(args)
+  sampling.pop("config")
+  result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature, seed=args.seed,
+                    completions=completions, **sampling)
   return problems, result
+
+
+def _attribute(args: argparse.Namespace) -> int:
+  import dataclasses
+
+  from rft_jax.rewards.user_functions import load_function
+  from rft_jax.rl.config import EntropyMaskConfig
+  from rft_jax.train.attribution import attribute, attribution_html, character_class
+  from rft_jax.train.config import ConfigError
+
+  try:
+    classes = load_function(args.token_classes, "--token-classes") if args.token_classes else character_class
+  except ValueError as exc:
+    raise ConfigError(str(exc)) from None
+  model, tokenizer, problems, sampling = _sampling_inputs(args)
+  cfg = sampling.pop("config")
+  lr = args.lr if args.lr is not None else (cfg.learner.lr if cfg else 1e-6)
+  mask = cfg.learner.entropy_mask if cfg and cfg.learner.entropy_mask.kind != "none" else EntropyMaskConfig(kind="clip_b")
+  if mask.target_entropy is not None:  # the page marks a fixed cut
+    mask = dataclasses.replace(mask, target_entropy=None)
+  completions = attribute(model, tokenizer, problems[:args.problems], k=args.k, temperature=args.temperature,
+                          seed=args.seed, lr=lr, mask=mask, token_class=classes, **sampling)
+  name = {"clip_b": "Clip_B", "clip_v": "Clip_V"}.get(mask.kind, mask.kind)
+  with open(args.out, "w") as f:
+    f.write(attribution_html([(f"{args.model}: {args.problems} problems x {args.k} samples", completions)], name))
+  print(args.out)
+  return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -363,6 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
   evaluate.add_argument("--save-completions", metavar="PATH",
                         help="write every sampled answer with its score here (JSONL)")
   evaluate.set_defaults(func=_eval)
+
+  attr = sub.add_parser("attribute", help="a page of sampled answers, each token coloured by its Theorem 2 "
+                                          "forecast entropy change, and the forecasts by token class")
+  sampling_args(attr, 4, 1.0)
+  attr.add_argument("--problems", type=int, default=8, help="the first this many questions of --data")
+  attr.add_argument("--lr", type=float, help="the step size of the forecast (default: the run's learner.lr)")
+  attr.add_argument("--token-classes", metavar="MODULE:FUNCTION",
+                    help="token classes, e.g. rft_jax.demo.task:token_class (default: digit / separator / other)")
+  attr.add_argument("--out", default="attribution.html", help="the HTML page to write")
+  attr.set_defaults(func=_attribute)
 
   filt = sub.add_parser("filter", help="drop questions with pass rate <= 1/16 or >= 15/16")
   sampling_args(filt, 16, 1.0)

@@ -23,7 +23,7 @@ def test_demo_token_classes_find_the_digits_that_receive_a_carry():
   # 132: the hundreds and tens digits receive the carries of columns 1 and 0; the units none.
   assert classes[6:9] == ["carry digit", "carry digit", "sum digit"]
   assert classes[-4:-1] == ["carry digit", "carry digit", "sum digit"]
-  assert token_class(MathExample("What is 12 + 3?", "15", "12+3"), "12+3=15", 5, 6) == "sum digit"
+  assert token_class(MathExample("What is 12 + 3?", "15", "7"), "12+3=15", 5, 6) == "sum digit"  # from the question
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,17 @@ def test_the_class_table_and_the_page(attributed):
   assert page.count("<span") - page.count('<span class="meta"') == 48
   assert page.count('class="masked"') == sum(int(c.masked.sum()) for c in attributed)
   assert "E_p[S]=" in page and "<table>" in page
+
+
+def test_the_attribute_command_writes_the_page(tmp_path, capsys):
+  from rft_jax import cli
+
+  root, model_dir, data = make_loop_files(tmp_path)
+  out = tmp_path / "page.html"
+  assert cli.main(["attribute", "--model", str(model_dir), "--data", str(data), "--problems", "2", "--k", "2",
+                   "--max-new-tokens", "4", "--out", str(out)]) == 0
+  assert capsys.readouterr().out.strip() == str(out)
+  page = out.read_text()
+  assert page.count("title=") == 2 * 2 * 4 and "Clip_B" in page  # every token of 2 x 2 answers
+  assert cli.main(["attribute", "--model", str(model_dir), "--data", str(data), "--token-classes", "nowhere:f"]) == 2
+  assert "--token-classes" in capsys.readouterr().err

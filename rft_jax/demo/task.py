@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Collection
 
 import numpy as np
@@ -107,6 +108,9 @@ def token_class(problem: MathExample, text: str, start: int, end: int) -> str:
     run_end += 1
   if run_start == 0 or text[run_start - 1] not in "={":
     return "operand digit"
-  a, b = (int(x) for x in problem.id.split("+"))
+  operands = re.search(r"(\d+)\s*\+\s*(\d+)", problem.question)
+  if operands is None:
+    return "sum digit"
+  a, b = int(operands.group(1)), int(operands.group(2))
   column = run_end - 1 - start  # units = 0
   return "carry digit" if column - 1 in carrying_columns(a, b) else "sum digit"
