@@ -116,7 +116,7 @@ def test_layout_warnings_name_what_is_replicated():
 
 def test_plan_says_when_it_does_not_fit(tmp_path, capsys):
   """A sampler call whose KV cache alone exceeds a fake device's share of host memory."""
-  config, _ = _setup(tmp_path, new_tokens=2**22, head_dim=128)
+  config, _ = _setup(tmp_path, new_tokens=2**18, head_dim=128)
   code, report = _plan(capsys, config, "--topology", "cpu:8")
   assert code == 1 and report["fits"] is False and report["sampler"]["fits"] is False
   assert report["sampler"]["kv_cache_bytes"] > report["hbm_bytes_per_device"]
