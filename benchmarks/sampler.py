@@ -10,6 +10,9 @@ ratio; rft_jax's first call (compilation) is timed separately and excluded.
 
     python benchmarks/sampler.py [--batch 32] [--new-tokens 128] [--repeats 3]
 
+``--segments 1 2 4`` mode: the first call's (compile) time and the steady tokens/s of a random
+Qwen3 built in memory for each ``cache_segments`` value (what ``min_segment_tokens`` rests on).
+
 ``--roofline`` mode (meant for a GPU): for a preset config and batch sizes, the bytes one
 decode step must read (the weights once, plus each row's KV cache), the step time those bytes
 take at ``--hbm-gbps``, and the measured step time of ``generate`` (a random bfloat16 model,
@@ -202,6 +205,35 @@ def roofline(args) -> None:
           f"(useful bytes) {read / per_step / bandwidth:6.1%} (read bytes) of HBM bandwidth")
 
 
+def segments(args) -> None:
+  """First-call (compile) time and steady throughput of ``generate`` for each ``cache_segments``
+  value (segments down to 16 new tokens allowed), on a random model built in memory."""
+  import dataclasses
+
+  import jax
+  from flax import nnx
+
+  config = QwenConfig("qwen3", args.vocab, args.hidden, args.hidden * 3, args.layers, args.hidden // 64,
+                      max(args.hidden // 128, 1), head_dim=64, tie_word_embeddings=True)
+  model = Qwen(config, rngs=nnx.Rngs(0))
+  prompts = make_prompts(args.batch, args.vocab, args.min_prompt, args.max_prompt)
+  base = SamplingParams(n=1, temperature=args.temperature, max_new_tokens=args.new_tokens, min_segment_tokens=16)
+  for count in args.segments:
+    params = dataclasses.replace(base, cache_segments=count)
+    jax.clear_caches()
+    start = time.perf_counter()
+    generate(model, prompts, params, seed=0)
+    first = time.perf_counter() - start
+    times = []
+    for r in range(args.repeats):
+      start = time.perf_counter()
+      generate(model, prompts, params, seed=r + 1)
+      times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    print(f"cache_segments {count}: first call {first:6.2f} s, then {median:6.3f} s median "
+          f"({args.batch * args.new_tokens / median:7.0f} tokens/s)", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=32)
@@ -221,8 +253,12 @@ def main() -> None:
   parser.add_argument("--prompt", type=int, default=256)
   parser.add_argument("--hbm-gbps", type=float, default=3350.0, help="H100 SXM: 3350")
   parser.add_argument("--dry-run", action="store_true", help="roofline bytes only, no run")
+  parser.add_argument("--segments", type=int, nargs="+",
+                      help="time the first call and throughput for these cache_segments values instead")
   args = parser.parse_args()
-  if args.roofline:
+  if args.segments:
+    segments(args)
+  elif args.roofline:
     roofline(args)
   else:
     compare(args)

@@ -41,7 +41,7 @@ class SamplingParams:
     min_segment_tokens: no segment shorter than this many new tokens: below it the reads a
       segment saves are worth less than the compile time of its decode body (on CPU at 128 new
       tokens, 4 segments of 16-128 compiled in 11 s against 7.5 s for one, and decoded no
-      faster; ``benchmarks/sampler.py --segments``).
+      faster; ``python benchmarks/sampler.py --segments 4 1``).
     max_rollouts_per_call: the most rows (prompts x ``n``, dummy padding rows included) one
       compiled call decodes at once, i.e. what bounds its KV cache; ``generate`` runs larger
       batches as several calls of ``max_rollouts_per_call // n`` prompts (rounded down to a
