@@ -1,11 +1,13 @@
 """A shortened run of the embedded demo (the README's main job) on the shipped checkpoint."""
 
+import functools
 import os
 
-import jax
 import numpy as np
 import pytest
 
+from loop_fixtures import compilation_cache
+from rft_jax.demo import run as demo_run
 from rft_jax.demo.run import DEFAULT_VARIANTS, run_demo, split_variants
 from rft_jax.models import load_hf
 
@@ -21,16 +23,18 @@ def test_shipped_checkpoint_loads_through_load_hf():
   assert size < 12 * 2**20  # a few MB in the repository
 
 
-def test_short_demo_prints_a_table_and_draws_plots(tmp_path, capsys):
+def test_short_demo_prints_a_table_and_draws_plots(tmp_path, capsys, monkeypatch):
+  """Two variants of 2 steps, evaluated at the end on 32 held-out problems (of 256: the table
+  and plots do not depend on how many), sharing one compilation cache."""
+  monkeypatch.setattr(demo_run, "write_demo_data", functools.partial(demo_run.write_demo_data, heldout_size=32))
   cache = tmp_path / "jax_cache"
   overrides = [f"run_dir={tmp_path}", f"model.path={CHECKPOINT}", "steps=2", "eval.every=2",
                "progress=false", "data.prompts_per_step=8", "learner.micro_batch_size=64", "eval.at_start=false",
                f"compilation_cache_dir={cache}"]
-  try:
+  # Process-wide: later tests compile without it. JAX's threshold: only slow compilations are kept.
+  with compilation_cache(cache, min_compile_seconds=None):
     variants, overrides = split_variants([*overrides, "variants=clip_b,unlikely"])
     summaries = run_demo(os.path.join(ROOT, "configs", "demo.yaml"), overrides, variants=variants)
-  finally:  # the cache setting is process-wide: later tests compile without it
-    jax.config.update("jax_compilation_cache_dir", None)
   assert len(os.listdir(cache)) >= 3  # sampler, learner and evaluation programs were kept
   out = capsys.readouterr().out
   assert "variant" in out and "clip_b" in out and "unlikely" in out and "Avg@" in out

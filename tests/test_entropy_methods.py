@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rft_jax.rl.config import EntropyMethodConfig, LearnerConfig
 from rft_jax.rl.cov_methods import kl_cov_penalty_mask
@@ -15,15 +16,30 @@ from rft_jax.rl.learner import Learner
 from test_learner import config, synthetic_batch, tiny_model
 
 
-def step(method: EntropyMethodConfig, micro: int = 16, **kw):
+@pytest.fixture(scope="module")
+def tiny():
+  """A tiny random Qwen's weights (built once) and completions it sampled."""
   model = tiny_model()
   batch, _ = synthetic_batch(model)
-  learner = Learner(model, config(micro_batch_size=micro, max_grad_norm=None, entropy_method=method,
-                                  forecast_every=0, **kw))
-  state = learner.init(model)
-  stats = jax.jit(learner.batch_stats)(state.params, batch)  # before the step donates the state
+  graphdef, state = nnx.split(model)
+  return graphdef, jax.tree.map(np.asarray, state), batch
+
+
+def learner_for(tiny, method: EntropyMethodConfig, micro: int = 16, **kw):
+  graphdef, weights, _ = tiny
+  return Learner(nnx.merge(graphdef, jax.tree.map(jnp.asarray, weights)),
+                 config(micro_batch_size=micro, max_grad_norm=None, entropy_method=method,
+                        forecast_every=0, **kw))
+
+
+def step(tiny, learner: Learner, stats: bool = False):
+  """One step of ``learner`` from the fixture's weights (a fresh copy: the step donates them);
+  with ``stats``, the batch's token statistics before the step too."""
+  graphdef, weights, batch = tiny
+  state = learner.init(nnx.merge(graphdef, jax.tree.map(jnp.asarray, weights)))
+  before = jax.jit(learner.batch_stats)(state.params, batch) if stats else None  # before the donation
   new_state, metrics = learner.step(state, batch)
-  return batch, stats, new_state, metrics
+  return before, new_state, metrics
 
 
 def valid_and_advantages(batch):
@@ -31,10 +47,11 @@ def valid_and_advantages(batch):
   return valid, np.asarray(batch.advantages)[:, None] * np.ones(valid.shape)
 
 
-def test_forking_tokens_weight_the_numerator_over_the_whole_batch_in_any_micro_batching():
+def test_forking_tokens_weight_the_numerator_over_the_whole_batch_in_any_micro_batching(tiny):
   method = EntropyMethodConfig(kind="forking", forking_rho=0.5)
-  batch, stats, s16, m16 = step(method, micro=16)
-  _, _, s4, m4 = step(method, micro=4)
+  batch = tiny[2]
+  stats, s16, m16 = step(tiny, learner_for(tiny, method, micro=16), stats=True)
+  _, s4, m4 = step(tiny, learner_for(tiny, method, micro=4))
   valid, adv = valid_and_advantages(batch)
   kept = np.asarray(forking_token_mask(stats.entropy, jnp.asarray(valid), rho=0.5))
   assert 0.4 < kept.sum() / valid.sum() <= 0.6
@@ -47,11 +64,13 @@ def test_forking_tokens_weight_the_numerator_over_the_whole_batch_in_any_micro_b
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5)
 
 
-def test_clip_cov_drops_its_count_of_tokens_the_same_way_at_the_same_step():
+def test_clip_cov_drops_its_count_of_tokens_the_same_way_at_the_same_step(tiny):
+  """The same step (same state, batch and step number) run twice draws the same tokens."""
   method = EntropyMethodConfig(kind="clip_cov", clip_cov_ratio=0.25, clip_cov_lb=-100.0, clip_cov_ub=100.0)
-  batch, _, state_a, first = step(method)
-  _, _, state_b, again = step(method)
-  valid, adv = valid_and_advantages(batch)
+  learner = learner_for(tiny, method)  # one compiled step serves both runs
+  _, state_a, first = step(tiny, learner)
+  _, state_b, again = step(tiny, learner)
+  valid, adv = valid_and_advantages(tiny[2])
   n = int(valid.sum())
   assert first["method_frac"] == max(int(0.25 * n), 1) / n  # every valid token is a candidate
   for key in first:
@@ -61,11 +80,11 @@ def test_clip_cov_drops_its_count_of_tokens_the_same_way_at_the_same_step():
     np.testing.assert_array_equal(a, b)
 
 
-def test_kl_cov_penalises_its_top_tokens_and_its_first_on_policy_update_is_grpos():
+def test_kl_cov_penalises_its_top_tokens_and_its_first_on_policy_update_is_grpos(tiny):
   method = EntropyMethodConfig(kind="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
-  batch, stats, kl_state, kl = step(method)
-  _, _, grpo_state, grpo = step(EntropyMethodConfig())
-  valid, adv = valid_and_advantages(batch)
+  stats, kl_state, kl = step(tiny, learner_for(tiny, method), stats=True)
+  _, grpo_state, grpo = step(tiny, learner_for(tiny, EntropyMethodConfig()))
+  valid, adv = valid_and_advantages(tiny[2])
   penalised = np.asarray(kl_cov_penalty_mask(stats.logp, jnp.asarray(adv), jnp.asarray(valid), ratio=0.1))
   assert kl["method_frac"] == penalised.sum() / valid.sum() == max(int(0.1 * valid.sum()), 1) / valid.sum()
   # log p = log p_old on the first update: no penalty, and no gradient from |log p - log p_old|.

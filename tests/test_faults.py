@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from loop_fixtures import make_loop_files, overrides
+from loop_fixtures import compilation_cache, make_loop_files, overrides
 from rft_jax import cli
 from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.run_dir import RunDirLock
@@ -22,13 +22,22 @@ from rft_jax.train.run_dir import RunDirLock
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  return make_loop_files(tmp_path_factory.mktemp("faults"))
+  """The loop's files, and one compilation cache for the module's runs (in-process and the
+  subprocess trainers'): the runs share a config, so only the first one compiles."""
+  files = make_loop_files(tmp_path_factory.mktemp("faults"))
+  with compilation_cache(cache_dir(files)):
+    yield files
+
+
+def cache_dir(setup):
+  return setup[0] / "jax_cache"
 
 
 def args(setup, run_dir, steps, *extra):
   """A short run without evaluation on a 2-device mesh (quick to compile)."""
   return ["train", *overrides(setup, run_dir, steps, "eval.every=0", "mesh.data=2", "mesh.model=1",
-                              "learner.forecast_every=0", *extra)]
+                              "learner.forecast_every=0", f"compilation_cache_dir={cache_dir(setup)}",
+                              *extra)]
 
 
 def steps_of(run_dir):

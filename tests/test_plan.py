@@ -35,12 +35,16 @@ def _plan(capsys, *args) -> tuple[int, dict]:
   return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("topology,devices", [("cpu:8", 8), ("v5p:2x2x1", 4)])
-def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devices):
+@pytest.mark.parametrize("topology,devices,kl_coef", [("cpu:8", 8, 0.1), ("v5p:2x2x1", 4, 0.0)])
+def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devices, kl_coef):
+  """One plan per topology, the cpu:8 one with a KL term: with kl_coef > 0 the step takes one
+  more copy of the parameters (ref_dtype=float32: their bytes) and the sampler runs beside it;
+  without, none."""
   config, _ = _setup(tmp_path)
   # The splash kernel's bfloat16 products need the default precision (conftest sets "highest").
   with jax.default_matmul_precision("default"):
-    code, report = _plan(capsys, config, "--topology", topology, "mesh.model=2")
+    code, report = _plan(capsys, config, "--topology", topology, "mesh.model=2", f"learner.kl_coef={kl_coef}",
+                         "learner.ref_dtype=float32")
   assert code == 0 and report["fits"] is True
   assert report["topology"] == topology and report["devices"] == devices
   assert report["mesh"] == {"data": devices // 2, "model": 2}
@@ -58,27 +62,23 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
   # max_rollouts_per_call=8 holds 2 prompts of 4 samples, but every data shard gets a prompt.
   data = devices // 2
   assert sampler["prompts_per_call"] == max(2, data) and sampler["rollouts_per_call"] == 4 * max(2, data)
-  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] and learner["reference_bytes"] == 0
+  reference = learner["parameter_bytes"] if kl_coef > 0 else 0
+  assert learner["reference_bytes"] == reference
+  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] + reference
   if topology.startswith("v5p"):
     assert report["device_kind"] == "TPU v5" and report["hbm_bytes_per_device"] > 90 * 2**30
 
 
-def test_plan_counts_the_kl_reference(tmp_path):
-  """With kl_coef > 0 the step takes one more copy of the parameters (half in bfloat16), and the
-  sampler runs beside it."""
+def test_plan_counts_a_bfloat16_kl_reference_at_half_the_parameter_bytes(tmp_path):
+  """With kl_coef > 0 and ref_dtype=bfloat16 the step's copy of the float32 parameters takes
+  half their bytes (the float32 copy is test_plan_reports_bytes_per_device_and_fits's)."""
   from rft_jax.train.config import load_config
   from rft_jax.train.plan import plan, topology
 
   config, _ = _setup(tmp_path)
-  topo = topology("cpu:8")
-  reports = {dtype: plan(load_config(config, ["learner.kl_coef=0.1", f"learner.ref_dtype={dtype}"],
-                                     required=()), topo, sampler=dtype == "float32")
-             for dtype in ("float32", "bfloat16")}
-  params = reports["float32"]["learner"]["parameter_bytes"]
-  assert reports["float32"]["learner"]["reference_bytes"] == params
-  assert reports["bfloat16"]["learner"]["reference_bytes"] == params // 2
-  sampler = reports["float32"]["sampler"]
-  assert sampler["resident_bytes"] == reports["float32"]["learner"]["optimizer_state_bytes"] + params
+  report = plan(load_config(config, ["learner.kl_coef=0.1", "learner.ref_dtype=bfloat16"], required=()),
+                topology("cpu:8"), sampler=False)["learner"]
+  assert report["reference_bytes"] == report["parameter_bytes"] // 2
 
 
 def test_learner_step_memory_grows_linearly_in_length(tmp_path):
