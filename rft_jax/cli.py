@@ -83,33 +83,6 @@ def _check_config(args: argparse.Namespace) -> int:
   return 0
 
 
-def _restore_model(run_dir: str, step: int | None):
-  """The policy of a run's checkpoint (the base model's structure, the run's parameters; a PPO
-  run's critic is restored with it and dropped)."""
-  import os
-
-  from rft_jax.models import load_hf
-  from rft_jax.rl.learner import Learner
-  from rft_jax.train.checkpoint import RunCheckpointer
-  from rft_jax.train.config import load_config
-
-  cfg = load_config(os.path.join(run_dir, "config.yaml"))
-  model = load_hf(cfg.model.path)
-  learner = Learner(model, cfg.learner)
-  template = learner.init(model)
-  if cfg.learner.advantage == "gae":  # PPO's checkpoints hold the critic too; only the policy is used
-    from flax import nnx
-
-    from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
-
-    value_model = ValueModel.from_policy(load_hf(cfg.model.path), rngs=nnx.Rngs(0))
-    template = ActorCriticState(policy=template, critic=Critic(value_model, cfg.critic).init(value_model))
-  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  state, _, restored = checkpointer.restore(template, step, move_corrupt=False)
-  checkpointer.close()
-  return learner.model(state), cfg, restored
-
-
 def _checkpoint_dtype(model_dir: str) -> str | None:
   """The dtype a Hugging Face directory's ``config.json`` declares (float32 or bfloat16), if any."""
   import json
@@ -126,10 +99,10 @@ def _export(args: argparse.Namespace) -> int:
 
   from flax import nnx
 
-  from rft_jax.train.checkpoint import all_finite
+  from rft_jax.train.checkpoint import all_finite, restore_policy
   from rft_jax.train.errors import NonFiniteError
 
-  model, cfg, step = _restore_model(args.run_dir, args.step)
+  model, cfg, step = restore_policy(args.run_dir, args.step)
   if not all_finite(nnx.state(model, nnx.Param)):
     raise NonFiniteError(f"step {step} of {args.run_dir} holds NaN or infinite parameters; not exporting")
   dtype = args.dtype or _checkpoint_dtype(cfg.model.path) or cfg.model.param_dtype
@@ -163,7 +136,9 @@ def _sampling_inputs(args: argparse.Namespace):
   if args.format is not None and args.format not in FORMATS:
     raise ConfigError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
   if os.path.exists(os.path.join(args.model, "checkpoints")):
-    model, cfg, _ = _restore_model(args.model, args.step)
+    from rft_jax.train.checkpoint import restore_policy
+
+    model, cfg, _ = restore_policy(args.model, args.step)
     tokenizer, data = load_tokenizer(cfg.model.path), cfg.data
     max_new_tokens = cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
   else:
@@ -248,6 +223,28 @@ def _demo(args: argparse.Namespace) -> int:
 
   variants, overrides = split_variants(args.overrides)
   run_demo(args.config, overrides, variants)
+  return 0
+
+
+def _figures(args: argparse.Namespace) -> int:
+  import dataclasses
+  import shlex
+  import sys
+
+  from rft_jax.figures import FULL, QUICK, make_figures
+  from rft_jax.train.config import ConfigError
+
+  settings = QUICK if args.quick else FULL
+  for name in ("seeds", "steps", "heldout", "workers"):
+    value = getattr(args, name)
+    if value is not None:
+      if value < 1:
+        raise ConfigError(f"--{name} must be >= 1, got {value}")
+      if name != "workers":
+        settings = dataclasses.replace(settings, **{name: value})
+  page = make_figures(args.out, settings, args.overrides, config_path=args.config, workers=args.workers or 2,
+                      command=" ".join(["rft-jax", *map(shlex.quote, sys.argv[1:])]))
+  print(f"the figures page: {page}")
   return 0
 
 
@@ -375,6 +372,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default grpo,clip_b,clip_v)")
   demo.set_defaults(func=_demo)
 
+  figures = sub.add_parser("figures", help="the paper's Figures 1-5 and Table 1 on the embedded task, with "
+                                          "whether each claim held, as a static page OUT/index.html")
+  figures.add_argument("--quick", action="store_true", help="fewer steps, seeds and cuts (under 10 minutes "
+                                                            "on 2 cores)")
+  figures.add_argument("--out", default="runs/figures", help="output directory; finished runs there are reused")
+  figures.add_argument("--seeds", type=int, help="seeds of GRPO / Clip_B / Clip_V (default 3; --quick 2)")
+  figures.add_argument("--steps", type=int, help="training steps of every run (default 60; --quick 12)")
+  figures.add_argument("--heldout", type=int, help="held-out problems evaluated (default 256; --quick 64)")
+  figures.add_argument("--workers", type=int, help="runs trained at a time, each in its own process "
+                                                   "(default 2: one run keeps about one core busy)")
+  figures.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
+                                                              "read against the repository root")
+  figures.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. learner.lr=1e-4")
+  figures.set_defaults(func=_figures)
+
   export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
   export.add_argument("run_dir", help="the run directory (with checkpoints/ and config.yaml)")
   export.add_argument("out", help="HF directory to write")
@@ -457,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument("run_dirs", nargs="+", help="run directories (with metrics.jsonl); one colour each")
   plot.add_argument("--out", help="PNG to write (default: plots.png in the first run directory)")
   plot.set_defaults(func=_plot)
-  for command in (train, demo):
+  for command in (train, demo, figures):
     loudness = command.add_mutually_exclusive_group()
     loudness.add_argument("--quiet", action="count", default=0, help="status lines: warnings only")
     loudness.add_argument("--verbose", action="count", default=0, help="status lines: debug too")

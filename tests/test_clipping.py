@@ -130,14 +130,16 @@ def test_bad_arguments_are_named():
     E.clip_v_mask(s, a, m, max_frac=2.0)
   with pytest.raises(ValueError, match="sign must be"):
     E.discriminator_sign_mask(s, a, sign="pos", action="keep", samples="all")
+  with pytest.raises(ValueError, match="action must be"):
+    E.discriminator_sign_mask(s, a, sign="positive", action="isolate", samples="all")
 
 
-@pytest.mark.parametrize("sign,action,samples", list(itertools.product(["positive", "negative"], ["keep", "drop"], ["positive", "negative"])))
+@pytest.mark.parametrize("sign,action,samples", list(itertools.product(["positive", "negative"], ["keep", "drop", "only"], ["positive", "negative"])))
 def test_figure1_sign_masks(sign, action, samples):
   s = jnp.array([0.2, -0.1, 0.0, 0.3, -0.4, 0.5])
   adv = jnp.array([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
   keep = np.asarray(E.discriminator_sign_mask(s, adv, sign=sign, action=action, samples=samples))
   chosen = np.asarray(adv > 0) if samples == "positive" else np.asarray(adv < 0)
   has_sign = np.asarray(s > 0) if sign == "positive" else np.asarray(s < 0)
-  np.testing.assert_array_equal(keep[~chosen], True)
+  np.testing.assert_array_equal(keep[~chosen], action != "only")  # "only": nothing of other samples
   np.testing.assert_array_equal(keep[chosen], ~has_sign[chosen] if action == "drop" else has_sign[chosen])

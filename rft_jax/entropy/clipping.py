@@ -201,25 +201,30 @@ def discriminator_sign_mask(
     advantages: Float[Array, "..."],
     *,
     sign: Literal["positive", "negative"],
-    action: Literal["keep", "drop"],
+    action: Literal["keep", "drop", "only"],
     samples: Samples,
 ) -> Bool[Array, "..."]:
   r"""The token masks of the paper's Figure 1 experiments.
 
   On the chosen ``samples``, ``action="drop"`` removes the tokens whose :math:`S_*`
   has the given ``sign`` and ``action="keep"`` keeps only them; tokens of other
-  samples are untouched. By Theorem 1, on positive samples keeping only
-  :math:`S_* > 0` tokens drives entropy down and keeping only :math:`S_* < 0` tokens
-  drives it up; negative samples mirror this.
+  samples are untouched. ``action="only"`` keeps those tokens and nothing else of the
+  batch: the update is the chosen samples' tokens of that sign alone, so that their
+  effect is seen in isolation. By Theorem 1, on positive samples the
+  :math:`S_* > 0` tokens drive entropy down and the :math:`S_* < 0` tokens drive it up;
+  on negative samples (a penalty) the other way round.
 
   Returns:
     ``[...]`` bool keep-mask.
   """
   if sign not in ("positive", "negative"):
     raise ValueError(f"sign must be 'positive' or 'negative', got {sign!r}")
-  if action not in ("keep", "drop"):
-    raise ValueError(f"action must be 'keep' or 'drop', got {action!r}")
+  if action not in ("keep", "drop", "only"):
+    raise ValueError(f"action must be 'keep', 'drop' or 'only', got {action!r}")
   s = jax.lax.stop_gradient(s_star)
   has_sign = s > 0 if sign == "positive" else s < 0
+  chosen = eligible_samples(advantages, samples)
+  if action == "only":
+    return chosen & has_sign
   selected = has_sign if action == "drop" else ~has_sign
-  return ~(eligible_samples(advantages, samples) & selected)
+  return ~(chosen & selected)

@@ -58,7 +58,9 @@ class EntropyMaskConfig:
     logp_source: which log-probs of the sampled token form S_* for the mask: ``learner``
       (default: recomputed by the learner, like the entropy) or ``sampler`` (the rollout's, as
       the authors' Clip_B; see ``rft_jax.entropy.clipping``).
-    sign / action: for ``kind=sign``: ``positive``/``negative`` S_*, ``keep``/``drop``.
+    sign / action: for ``kind=sign``: ``positive``/``negative`` S_*; ``keep`` (only those tokens
+      of the chosen samples), ``drop`` (all but those) or ``only`` (those tokens and nothing else
+      of the batch; ``rft_jax.entropy.clipping.discriminator_sign_mask``).
     target_entropy: with ``clip_b`` / ``clip_v``, choose the cut ``mu_low`` per batch to hold
       the policy's mean token entropy near this value (``rft_jax.rl.entropy_mask.
       entropy_target_cut``; None: the fixed cut). target_band: how far below the target, as a
@@ -88,7 +90,7 @@ class EntropyMaskConfig:
     _choice("entropy_mask.kind", self.kind, ENTROPY_MASKS)
     _choice("entropy_mask.samples", self.samples, SAMPLES)
     _choice("entropy_mask.sign", self.sign, ("positive", "negative"))
-    _choice("entropy_mask.action", self.action, ("keep", "drop"))
+    _choice("entropy_mask.action", self.action, ("keep", "drop", "only"))
     _choice("entropy_mask.logp_source", self.logp_source, LOGP_SOURCES)
     if self.max_frac is not None and not 0.0 <= self.max_frac <= 1.0:
       raise ValueError(f"entropy_mask.max_frac must be in [0, 1], got {self.max_frac!r}")

@@ -183,3 +183,31 @@ def _writing(what: str):
     raise
   except Exception as exc:
     raise WriteError(f"{what}: {_first_line(exc)}") from exc
+
+
+def restore_policy(run_dir: str, step: int | None = None):
+  """The policy of a run's checkpoint (the base model's structure, the run's parameters; a PPO
+  run's critic is restored with it and dropped).
+
+  Returns:
+    ``(model, config, step)``: the policy, the run's config and the step restored.
+  """
+  from rft_jax.models import load_hf
+  from rft_jax.rl.learner import Learner
+  from rft_jax.train.config import load_config
+
+  cfg = load_config(os.path.join(run_dir, "config.yaml"))
+  model = load_hf(cfg.model.path)
+  learner = Learner(model, cfg.learner)
+  template = learner.init(model)
+  if cfg.learner.advantage == "gae":  # PPO's checkpoints hold the critic too; only the policy is used
+    from flax import nnx
+
+    from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
+
+    value_model = ValueModel.from_policy(load_hf(cfg.model.path), rngs=nnx.Rngs(0))
+    template = ActorCriticState(policy=template, critic=Critic(value_model, cfg.critic).init(value_model))
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
+  state, _, restored = checkpointer.restore(template, step, move_corrupt=False)
+  checkpointer.close()
+  return learner.model(state), cfg, restored
