@@ -4,6 +4,7 @@ The verdicts and the page are checked on runs written here (the training itself 
 tested in test_train_loop.py and test_demo.py); the page is opened in headless Chromium.
 """
 
+import dataclasses
 import html
 import json
 import os
@@ -19,7 +20,7 @@ from rft_jax.figures import FULL, QUICK, claims, draw
 from rft_jax.figures.claims import HELD, NOT_HELD, UNCLEAR
 from rft_jax.figures.page import FigureSection, write_page
 from rft_jax.figures.results import RunResult, load_run
-from rft_jax.figures.runs import SIGN_PANELS, SIGNS, finished, method_run, planned_runs, run_overrides, sign_run
+from rft_jax.figures.runs import finished, method_run, planned_runs, run_all, run_config, run_overrides, sign_run
 from rft_jax.train.attribution import Completion
 from rft_jax.train.config import to_yaml
 
@@ -32,23 +33,25 @@ def result(name="r", *, entropy=0.02, frac=0.0, s_star=1e-2, centered=1e-5, fore
   return RunResult(name, records, start, {"avg": avg, "pass": passed, "entropy": entropy}, correct)
 
 
-def sign_results(start: float, grpo: float, scale: float) -> dict:
-  """The eight Figure 1 runs, each moved by ``scale`` in its expected direction."""
-  return {key: result(entropy=(start if key[0] == "only" else grpo) + expected * scale)
-          for key, expected in claims.SIGN_EXPECTED.items()}
+def sign_results(base: float, scale: float) -> dict:
+  """The eight Figure 1 runs: in each panel the S_* > 0 run ``scale`` from the S_* < 0 run, on
+  the expected side."""
+  return {(action, samples, sign): result(entropy=base + (0.5 if sign == "pos" else -0.5) * expected * scale)
+          for (action, samples), expected in claims.SIGN_EXPECTED.items() for sign in ("pos", "neg")}
 
 
 def test_sign_mask_verdicts_follow_the_expected_directions():
   grpo = result(entropy=0.018)
-  verdict, panels = claims.sign_masks(sign_results(0.025, 0.018, 0.003), grpo, 0.025, noise=0.001)
+  verdict, panels = claims.sign_masks(sign_results(0.02, 0.003), grpo, 0.025, noise=0.001)
   assert verdict.status == HELD and set(panels.values()) == {HELD} and len(panels) == 4
-  runs = sign_results(0.025, 0.018, 0.003)
-  runs[("drop", "neg", "pos")] = result(entropy=0.018 + 0.003)  # the wrong way, beyond the noise
+  runs = sign_results(0.02, 0.003)
+  runs[("drop", "neg", "pos")] = result(entropy=0.0215 + 0.003)  # above the S* < 0 run: the wrong side
   verdict, panels = claims.sign_masks(runs, grpo, 0.025, noise=0.001)
   assert verdict.status == NOT_HELD and panels[("drop", "neg")] == NOT_HELD and panels[("only", "pos")] == HELD
-  verdict, _ = claims.sign_masks(sign_results(0.025, 0.018, 0.0005), grpo, 0.025, noise=0.001)
-  assert verdict.status == UNCLEAR  # every move within the noise
-  assert "S*>0 -0.0030" in claims.sign_masks(sign_results(0.025, 0.018, 0.003), grpo, 0.025, 0.001)[0].sentence
+  verdict, _ = claims.sign_masks(sign_results(0.02, 0.0005), grpo, 0.025, noise=0.001)
+  assert verdict.status == UNCLEAR  # every difference within the noise
+  sentence = claims.sign_masks(sign_results(0.02, 0.003), grpo, 0.025, 0.001)[0].sentence
+  assert "only positive samples: S*>0 -0.0030 against S*<0 (held; against the start: S*>0 -0.0065" in sentence
 
 
 def test_cut_size_verdict_needs_fewer_masked_tokens_and_a_further_fall():
@@ -157,17 +160,22 @@ def test_planned_runs_are_valid_demo_configs(tmp_path, settings):
 
 
 def test_a_finished_run_is_reused_only_with_the_same_config(tmp_path):
-  run = method_run("clip_b", 1)
-  cfg = load_demo_config(None, run_overrides(run, QUICK, str(tmp_path), str(tmp_path / "train.jsonl")))
+  run, out = method_run("clip_b", 1), str(tmp_path)
+  paths = (str(tmp_path / "train.jsonl"), str(tmp_path / "heldout.jsonl"))
+  cfg = run_config(run, QUICK, out, *paths)
   _write_run(cfg.run_dir, steps=QUICK.steps, eval_step=QUICK.steps - 1)
   assert not finished(cfg)  # no config.yaml: not this run
   with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
     f.write(to_yaml(cfg))
   assert finished(cfg)
-  longer = load_demo_config(None, [*run_overrides(run, QUICK, str(tmp_path), str(tmp_path / "train.jsonl")), "steps=20"])
-  assert not finished(longer)
-  other_seed = load_demo_config(None, [*run_overrides(run, QUICK, str(tmp_path), str(tmp_path / "train.jsonl")), "seed=5"])
-  assert not finished(other_seed)
+  assert not finished(run_config(run, dataclasses.replace(QUICK, steps=20), out, *paths))
+  assert not finished(run_config(run, QUICK, out, *paths, overrides=["learner.lr=1e-4"]))
+  assert not finished(run_config(run, QUICK, out, paths[0], str(tmp_path / "other.jsonl")))
+  with open(tmp_path / "runs" / "runs.json", "w") as f:
+    json.dump({run.name: {"seconds": 12.5}}, f)
+  done = run_all([run], QUICK, out, *paths)  # nothing to train: no worker starts
+  assert done[run.name]["reused"] and done[run.name]["seconds"] == 12.5
+  assert json.load(open(tmp_path / "runs" / "runs.json"))[run.name]["seconds"] == 12.5
   _write_run(cfg.run_dir, steps=QUICK.steps, eval_step=QUICK.steps - 2)  # stopped before its last evaluation
   assert not finished(cfg)
 
@@ -194,7 +202,7 @@ def test_the_page_shows_every_figure_in_a_browser(tmp_path):
                  start={"avg": 0.85, "pass": 0.95, "entropy": 0.025}) for i in range(2)]
   clip_b = [result(f"clip_b_s{i}", entropy=0.021, frac=0.004, correct=np.eye(8, 4, k=i, dtype=bool)) for i in range(2)]
   groups = {"grpo": grpo, "clip_b": clip_b, "clip_v": [result(f"clip_v_s{i}", entropy=0.022) for i in range(2)]}
-  sign_runs = sign_results(0.025, 0.018, 0.003)
+  sign_runs = sign_results(0.02, 0.003)
   by_mu = {"clip_b": {1.0: result(frac=0.01, entropy=0.024), 2.5: clip_b[0]}}
   fig1, panels = claims.sign_masks(sign_runs, grpo[0], 0.025, 0.001)
   out = str(tmp_path)
@@ -211,7 +219,7 @@ def test_the_page_shows_every_figure_in_a_browser(tmp_path):
                     draw.figure5(f"{out}/fig5.png", grpo), ["grpo_s0"]),
   ]
   runs = {"grpo_s0": {"overrides": ["seed=0"], "seconds": 42.0, "reused": False},
-          "clip_b_s0": {"overrides": ["learner.entropy_mask.kind=clip_b"], "seconds": 0.1, "reused": True}}
+          "clip_b_s0": {"overrides": ["learner.entropy_mask.kind=clip_b"], "seconds": 37.0, "reused": True}}
   attribution = [("start", [_completion("What is 1 + 2?")]), ("grpo_s0 after 12 steps", [_completion("What is 2 + 1?")])]
   path = write_page(out, sections=sections, table=claims.table1(groups), runs=runs, settings=QUICK,
                     start=grpo[0].start, noise=0.001, attribution=attribution, k=4,
@@ -224,5 +232,5 @@ def test_the_page_shows_every_figure_in_a_browser(tmp_path):
   text = open(path).read()
   for s in sections:
     assert html.escape(s.verdict.sentence) in text
-  assert "rft-jax figures --quick" in text and "reused" in text and "sum digit" in text
+  assert "rft-jax figures --quick" in text and "37 s (reused)" in text and "sum digit" in text
   assert os.path.getsize(tmp_path / "page.png") > 50_000

@@ -48,8 +48,10 @@ def make_figures(out_dir: str, settings: FigureSettings, overrides: Sequence[str
   sections = [
       FigureSection("Figure 1", "Sign masks on S*",
                     "On positive samples the S* > 0 tokens lower the entropy and the S* < 0 tokens raise it; on "
-                    "negative samples the other way round (Theorem 1). Trained on those tokens alone, the "
-                    "entropy moves that way from the start; GRPO without them moves the other way from GRPO.",
+                    "negative samples the other way round (Theorem 1). So trained on the positive samples' S* > 0 "
+                    "tokens alone, the policy ends with less entropy than trained on their S* < 0 tokens alone "
+                    "(more on negative samples), and GRPO without the S* > 0 tokens ends with more than GRPO without "
+                    "the S* < 0 tokens (less on negative samples).",
                     fig1_verdict, draw.figure1(path("fig1.png"), sign_runs, grpo, panels),
                     [r.name for r in sign_runs.values()] + [grpo.name]),
       FigureSection("Figure 2", "Clip_B and Clip_V at several cuts",

@@ -67,13 +67,13 @@ def _attribution(sections: Sequence[tuple[str, Sequence]]) -> str:
 def _runs(runs: Mapping[str, dict]) -> str:
   rows = []
   for name, info in runs.items():
-    took = "reused" if info["reused"] else f"{info['seconds']:.0f} s"
+    took = f"{info['seconds']:.0f} s" + (" (reused)" if info["reused"] else "")
     rows.append(f"<tr><td>{html.escape(name)}</td><td><code>{html.escape(' '.join(info['overrides']))}</code></td>"
                 f"<td>{took}</td></tr>")
   return ('<section id="runs"><h2>The runs</h2><p>Each from the demo\'s checkpoint with <code>configs/demo.yaml'
           '</code> and these overrides; its whole config is <code>runs/NAME/config.yaml</code> (rerun one with '
           '<code>rft-jax train --config runs/NAME/config.yaml --overwrite</code>).</p>'
-          f"<table><tr><th>run</th><th>overrides</th><th>time</th></tr>{''.join(rows)}</table></section>")
+          f"<table><tr><th>run</th><th>overrides</th><th>training time</th></tr>{''.join(rows)}</table></section>")
 
 
 def write_page(out_dir: str, *, sections: Sequence[FigureSection], table: tuple[Verdict, Sequence[dict]],

@@ -107,6 +107,19 @@ def run_overrides(run: FigureRun, settings: FigureSettings, out_dir: str, train_
           f"eval.at_start={str(first).lower()}", "learner.forecast_every=0", "progress=false"]
 
 
+def run_config(run: FigureRun, settings: FigureSettings, out_dir: str, train_path: str, heldout_path: str,
+               overrides: Sequence[str] = (), config_path: str | None = None):
+  """The run's whole config: the demo's (``config_path``, default ``configs/demo.yaml``) with
+  ``overrides`` and then :func:`run_overrides`, evaluated on ``heldout_path``, compiling into the
+  cache all the runs share."""
+  from rft_jax.demo.paths import load_demo_config
+
+  cfg = load_demo_config(config_path, [*overrides, *run_overrides(run, settings, out_dir, train_path)])
+  cfg.compilation_cache_dir = os.path.join(out_dir, "runs", ".jax_cache")
+  cfg.eval.sets = [dataclasses.replace(s, path=heldout_path) for s in cfg.eval.sets]
+  return cfg
+
+
 def finished(cfg) -> bool:
   """Whether ``cfg.run_dir`` holds a finished run of ``cfg``: the same config (apart from what
   does not change the run) and metrics up to the last step, with its evaluation."""
@@ -137,16 +150,11 @@ def run_all(runs: Sequence[FigureRun], settings: FigureSettings, out_dir: str, t
             workers: int = 2) -> dict[str, dict]:
   """Trains the runs that are not finished, ``workers`` at a time (each in its own process: one
   run keeps about one core busy), and returns, per run name, ``{"dir", "seconds", "reused",
-  "overrides"}``. ``overrides`` apply to every run, before the run's own. A run that fails ends
+  "overrides"}`` (``seconds``: its training time, also when it was trained by an earlier call, as
+  ``OUT/runs/runs.json`` recorded it). ``overrides`` apply to every run, before the run's own. A run that fails ends
   the command with its error once the runs under way have finished."""
-  from rft_jax.demo.paths import load_demo_config
-
-  configs = {}
-  for run in runs:
-    cfg = load_demo_config(config_path, [*overrides, *run_overrides(run, settings, out_dir, train_path)])
-    cfg.compilation_cache_dir = os.path.join(out_dir, "runs", ".jax_cache")  # one cache for every run
-    cfg.eval.sets = [dataclasses.replace(s, path=heldout_path) for s in cfg.eval.sets]
-    configs[run] = cfg
+  configs = {run: run_config(run, settings, out_dir, train_path, heldout_path, overrides, config_path)
+             for run in runs}
   pending = [run for run in runs if not finished(configs[run])]
   print(f"{len(runs) - len(pending)} of {len(runs)} runs finished already in {out_dir}/runs; training "
         f"{len(pending)}, {workers} at a time", flush=True)
@@ -163,10 +171,16 @@ def run_all(runs: Sequence[FigureRun], settings: FigureSettings, out_dir: str, t
     except BaseException:
       pool.shutdown(wait=True, cancel_futures=True)  # no new run starts; those under way end
       raise
-  done = {run.name: {"dir": configs[run].run_dir, "seconds": seconds.get(run.name, 0.0),
-                     "reused": run.name not in seconds, "overrides": [*overrides, *run.overrides, f"seed={run.seed}"]}
+  path = os.path.join(out_dir, "runs", "runs.json")
+  before = {}  # a reused run keeps the training time it was recorded with
+  if os.path.exists(path):
+    with open(path) as f:
+      before = json.load(f)
+  done = {run.name: {"dir": configs[run].run_dir, "reused": run.name not in seconds,
+                     "seconds": seconds.get(run.name, before.get(run.name, {}).get("seconds", float("nan"))),
+                     "overrides": [*overrides, *run.overrides, f"seed={run.seed}"]}
           for run in runs}
-  os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
-  with open(os.path.join(out_dir, "runs", "runs.json"), "w") as f:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
     json.dump(done, f, indent=1)
   return done
