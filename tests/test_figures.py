@@ -21,7 +21,7 @@ from rft_jax.figures.claims import HELD, NOT_HELD, UNCLEAR
 from rft_jax.figures.page import FigureSection, write_page
 from rft_jax.figures.results import RunResult, load_run
 from rft_jax.figures.runs import finished, method_run, planned_runs, run_all, run_config, run_overrides, sign_run
-from rft_jax.train.attribution import Completion
+from rft_jax.train.attribution import Completion, attribution_html
 from rft_jax.train.config import to_yaml
 
 
@@ -224,6 +224,9 @@ def test_the_page_shows_every_figure_in_a_browser(tmp_path):
   path = write_page(out, sections=sections, table=claims.table1(groups), runs=runs, settings=QUICK,
                     start=grpo[0].start, noise=0.001, attribution=attribution, k=4,
                     command="rft-jax figures --quick", seconds=95.0)
+  with open(tmp_path / "attribution.html", "w") as f:  # what make_figures writes beside the page
+    f.write(attribution_html(attribution, "Clip_B"))
+  assert problems(open_page(str(tmp_path / "attribution.html"))) == []
   report = open_page(path, screenshot=str(tmp_path / "page.png"))
   assert problems(report) == []
   assert [src for src, _ in report["images"]] == [f"fig{i}.png" for i in range(1, 6)]

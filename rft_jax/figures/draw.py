@@ -33,6 +33,11 @@ def _figure(rows: int, cols: int, width: float = 5.2, height: float = 3.6):
   return fig, axes
 
 
+def _one_panel():
+  fig, axes = _figure(1, 1, width=7)
+  return fig, axes[0, 0]
+
+
 def _save(fig, path: str) -> str:
   import matplotlib.pyplot as plt
 
@@ -89,8 +94,7 @@ def figure2(path: str, method_runs: Mapping[str, Mapping[float, RunResult]], grp
 
 def figure3(path: str, grpo_runs: Sequence[RunResult]) -> str:
   """Batch means of S_* and of |S_* - E_p[S]| over GRPO's training (log scale)."""
-  fig, axes = _figure(1, 1, width=7)
-  ax = axes[0, 0]
+  fig, ax = _one_panel()
   for i, run in enumerate(grpo_runs):
     steps, s_star = run.series("entropy/s_star_mean")
     _, centered = run.series("entropy/s_centered_mean")
@@ -105,8 +109,7 @@ def figure3(path: str, grpo_runs: Sequence[RunResult]) -> str:
 
 def figure4(path: str, grpo_runs: Sequence[RunResult], clip_b_runs: Sequence[RunResult]) -> str:
   """Held-out problems by pass rate after training, GRPO against Clip_B (over the seeds)."""
-  fig, axes = _figure(1, 1, width=7)
-  ax = axes[0, 0]
+  fig, ax = _one_panel()
   k = grpo_runs[0].correct.shape[1]
   for offset, (name, runs, color) in enumerate((("GRPO", grpo_runs, GRPO_COLOR), ("Clip_B", clip_b_runs, "tab:green"))):
     counts, _ = pass_rate_histogram(np.concatenate([r.correct for r in runs]))
@@ -120,8 +123,7 @@ def figure4(path: str, grpo_runs: Sequence[RunResult], clip_b_runs: Sequence[Run
 
 def figure5(path: str, grpo_runs: Sequence[RunResult]) -> str:
   """-Cov_B(A, S_* - E_p[S]) of every GRPO step."""
-  fig, axes = _figure(1, 1, width=7)
-  ax = axes[0, 0]
+  fig, ax = _one_panel()
   for i, run in enumerate(grpo_runs):
     steps, values = minus_covariance(run)
     ax.plot(steps, values, "o-", markersize=3, color=f"C{i}", label=f"seed {i}")
