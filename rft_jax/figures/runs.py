@@ -150,9 +150,10 @@ def run_all(runs: Sequence[FigureRun], settings: FigureSettings, out_dir: str, t
             workers: int = 2) -> dict[str, dict]:
   """Trains the runs that are not finished, ``workers`` at a time (each in its own process: one
   run keeps about one core busy), and returns, per run name, ``{"dir", "seconds", "reused",
-  "overrides"}`` (``seconds``: its training time, also when it was trained by an earlier call, as
-  ``OUT/runs/runs.json`` recorded it). ``overrides`` apply to every run, before the run's own. A run that fails ends
-  the command with its error once the runs under way have finished."""
+  "overrides"}`` (``seconds``: its training time, also when an earlier call trained it, as
+  ``OUT/runs/runs.json`` recorded it). ``overrides`` apply to every run, before the run's own.
+  A run that fails, or a signal, ends the command with its error once the runs under way have
+  ended (a signal makes them stop after their current step); no further run starts."""
   configs = {run: run_config(run, settings, out_dir, train_path, heldout_path, overrides, config_path)
              for run in runs}
   pending = [run for run in runs if not finished(configs[run])]
