@@ -9,6 +9,7 @@ samples a few held-out answers before and after training for the token attributi
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Sequence
 
@@ -18,7 +19,20 @@ from rft_jax.figures.results import load_run
 from rft_jax.figures.runs import (
     SIGN_PANELS, SIGNS, FigureSettings, method_run, mu_run, planned_runs, run_all, sign_run)
 
-ATTRIBUTION_PROBLEMS = 4
+ATTRIBUTION_PROBLEMS = 8
+
+
+def hardest_problems(problems: Sequence, count: int) -> list:
+  """The ``count`` held-out sums with the most carries (in file order among equals): after training
+  the easy ones are answered right every time, a group with one reward, so every token's advantage
+  and forecast is 0 there."""
+  from rft_jax.demo.task import carrying_columns
+
+  def carries(problem) -> int:
+    operands = [int(x) for x in re.findall(r"\d+", problem.question)[:2]]  # "What is 83 + 86?"
+    return len(carrying_columns(*operands)) if len(operands) == 2 else 0
+
+  return sorted(problems, key=carries, reverse=True)[:count]
 
 
 def make_figures(out_dir: str, settings: FigureSettings, overrides: Sequence[str] = (), *,
@@ -82,8 +96,8 @@ def make_figures(out_dir: str, settings: FigureSettings, overrides: Sequence[str
 
 
 def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> list:
-  """Writes ``OUT/attribution.html`` (the same held-out problems answered by the start, and by
-  each run after training, tokens coloured by their Theorem 2 forecast, Clip_B's cut marked) and
+  """Writes ``OUT/attribution.html`` (the same held-out problems, those with the most carries,
+  answered by the start and by each run after training, tokens coloured by their Theorem 2 forecast, Clip_B's cut marked) and
   returns its sections ``(title, completions)``."""
   from rft_jax.data import load_math_dataset
   from rft_jax.demo.task import token_class
@@ -94,7 +108,7 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
   from rft_jax.train.loop import prompt_ids, stop_token_ids
   from rft_jax.train.resolve import reward_config
 
-  problems = load_math_dataset(heldout_path, "jsonl")[0][:ATTRIBUTION_PROBLEMS]
+  problems = hardest_problems(load_math_dataset(heldout_path, "jsonl")[0], ATTRIBUTION_PROBLEMS)
   policies = []
   for run_dir in run_dirs:
     model, cfg, step = restore_policy(run_dir)

@@ -53,7 +53,7 @@ def _table1(verdict: Verdict, rows: Sequence[dict], k: int) -> str:
 
 def _attribution(sections: Sequence[tuple[str, Sequence]]) -> str:
   parts = ['<section id="attribution"><h2>Token attribution, before and after training</h2>'
-           '<p>The same held-out problems answered by the start and by each run after training, every token '
+           '<p>The same held-out problems (those with the most carries) answered by the start and by each run after training, every token '
            'coloured by its Theorem 2 forecast -&alpha; (S<sub>*</sub> - E<sub>p</sub>[S]), Clip_B\'s cut '
            'outlined: <a href="attribution.html">attribution.html</a>. Summed forecasts by token class:</p>']
   for title, completions in sections:
