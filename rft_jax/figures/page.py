@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from rft_jax.figures.claims import Verdict
-from rft_jax.train.attribution import class_table
+from rft_jax.train.attribution import class_table_html
 
 COLORS = {"held": "#1a7f37", "not held": "#b42318", "unclear": "#9a6700"}
 
@@ -53,14 +53,11 @@ def _table1(verdict: Verdict, rows: Sequence[dict], k: int) -> str:
 
 def _attribution(sections: Sequence[tuple[str, Sequence]]) -> str:
   parts = ['<section id="attribution"><h2>Token attribution, before and after training</h2>'
-           '<p>The same held-out problems (those with the most carries) answered by the start and by each run after training, every token '
-           'coloured by its Theorem 2 forecast -&alpha; (S<sub>*</sub> - E<sub>p</sub>[S]), Clip_B\'s cut '
-           'outlined: <a href="attribution.html">attribution.html</a>. Summed forecasts by token class:</p>']
-  for title, completions in sections:
-    rows = "".join(f"<tr><td>{html.escape(r['class'])}</td><td>{r['tokens']}</td><td>{r['masked']}</td>"
-                   f"<td>{r['grpo']:.2e}</td><td>{r['kept']:.2e}</td></tr>" for r in class_table(completions))
-    parts.append(f"<h3>{html.escape(title)}</h3><table><tr><th>class</th><th>tokens</th><th>Clip_B masks</th>"
-                 f"<th>sum forecast, all</th><th>sum forecast, kept by Clip_B</th></tr>{rows}</table>")
+           "<p>The same held-out problems (those with the most carries) answered by the start and by each run "
+           "after training, every token coloured by its Theorem 2 forecast -&alpha; (S<sub>*</sub> - "
+           "E<sub>p</sub>[S]), Clip_B's cut outlined: <a href=\"attribution.html\">attribution.html</a>. Summed "
+           "forecasts by token class:</p>"]
+  parts += [f"<h3>{html.escape(title)}</h3>{class_table_html(completions, 'Clip_B')}" for title, completions in sections]
   return "".join(parts) + "</section>"
 
 

@@ -129,12 +129,17 @@ def attribution_html(sections: Sequence[tuple[str, Sequence[Completion]]], mask_
       spans = "".join(_span(c, t, scale) for t in range(len(c.tokens)))
       body.append(f'<p class="row"><span class="meta">{html.escape(c.problem.question)} A={c.advantage:+.2f} '
                   f'reward={c.reward:g}</span><br>{spans}</p>')
-    head = f"<tr><th>class</th><th>tokens</th><th>{mask_name} masks</th><th>sum forecast, all (GRPO)</th>" \
-           f"<th>sum forecast, kept by {mask_name}</th></tr>"
-    cells = "".join(f"<tr><td>{html.escape(r['class'])}</td><td>{r['tokens']}</td><td>{r['masked']}</td>"
-                    f"<td>{r['grpo']:.3e}</td><td>{r['kept']:.3e}</td></tr>" for r in class_table(completions))
-    body.append(f"<table>{head}{cells}</table>")
+    body.append(class_table_html(completions, mask_name))
   return PAGE.format(mask=html.escape(mask_name), body="\n".join(body))
+
+
+def class_table_html(completions: Sequence[Completion], mask_name: str) -> str:
+  """:func:`class_table` as an HTML table."""
+  head = (f"<tr><th>class</th><th>tokens</th><th>{html.escape(mask_name)} masks</th><th>sum forecast, all "
+          f"(GRPO)</th><th>sum forecast, kept by {html.escape(mask_name)}</th></tr>")
+  cells = "".join(f"<tr><td>{html.escape(r['class'])}</td><td>{r['tokens']}</td><td>{r['masked']}</td>"
+                  f"<td>{r['grpo']:.3e}</td><td>{r['kept']:.3e}</td></tr>" for r in class_table(completions))
+  return f"<table>{head}{cells}</table>"
 
 
 def _span(c: Completion, t: int, scale: float) -> str:
