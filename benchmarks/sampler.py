@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from peers.hf_runner import left_padded  # benchmarks/ is this script's directory
 from rft_jax.models import Qwen, QwenConfig, load_hf
 from rft_jax.sampling import SamplingParams, generate, prompt_length_bucket
 
@@ -103,13 +104,8 @@ class Transformers:
     torch.set_num_threads(threads)
     self.torch = torch
     self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-      ids[i, width - len(p):] = torch.tensor(p)
-      mask[i, width - len(p):] = 1
-    self.width = width
+    ids, mask = left_padded(prompts)
+    self.width = ids.shape[1]
     self.kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=True,
                        temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, pad_token_id=0)
