@@ -150,7 +150,7 @@ def test_planned_runs_are_valid_demo_configs(tmp_path, settings):
   assert len(names) == len(set(names)) and names[0] == "grpo_s0"
   assert sum(r.name.startswith("sign_") for r in runs) == 8
   assert len(runs) == 3 * settings.seeds + len(settings.clip_b_mus) + len(settings.clip_v_mus) - 2 + 8
-  for run in runs:
+  for run in runs if settings == QUICK else runs[:1]:  # the full set differs in seeds, cuts and length only
     cfg = load_demo_config(None, run_overrides(run, settings, str(tmp_path), str(tmp_path / "train.jsonl")))
     assert cfg.steps == settings.steps and cfg.seed == run.seed and cfg.eval.every == settings.steps
     assert cfg.eval.at_start == (run.name == "grpo_s0")
