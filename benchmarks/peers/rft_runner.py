@@ -40,8 +40,8 @@ def setup(spec: dict) -> dict:
   arrays = load_batch(spec["batch"])
   batch = LearnerBatch(**{k: jnp.asarray(v) for k, v in arrays.items()})
 
-  def rollout(seed: int) -> int:
-    out = generate(model, spec["rollout_prompts"], rollout_params, seed=seed)
+  def rollout(seed: int) -> int:  # the current parameters: a learner step donates the ones before
+    out = generate(learner.model(state["train"]), spec["rollout_prompts"], rollout_params, seed=seed)
     return int(out.completion_lengths.sum())
 
   def learner_step(seed: int) -> None:
