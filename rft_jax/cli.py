@@ -234,15 +234,12 @@ def _figures(args: argparse.Namespace) -> int:
   from rft_jax.figures import FULL, QUICK, make_figures
   from rft_jax.train.config import ConfigError
 
-  settings = QUICK if args.quick else FULL
   for name in ("seeds", "steps", "heldout", "workers"):
-    value = getattr(args, name)
-    if value is not None:
-      if value < 1:
-        raise ConfigError(f"--{name} must be >= 1, got {value}")
-      if name != "workers":
-        settings = dataclasses.replace(settings, **{name: value})
-  page = make_figures(args.out, settings, args.overrides, config_path=args.config, workers=args.workers or 2,
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+  chosen = {name: getattr(args, name) for name in ("seeds", "steps", "heldout") if getattr(args, name) is not None}
+  settings = dataclasses.replace(QUICK if args.quick else FULL, **chosen)
+  page = make_figures(args.out, settings, args.overrides, config_path=args.config, workers=args.workers,
                       command=" ".join(["rft-jax", *map(shlex.quote, sys.argv[1:])]))
   print(f"the figures page: {page}")
   return 0
@@ -380,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
   figures.add_argument("--seeds", type=int, help="seeds of GRPO / Clip_B / Clip_V (default 3; --quick 2)")
   figures.add_argument("--steps", type=int, help="training steps of every run (default 60; --quick 12)")
   figures.add_argument("--heldout", type=int, help="held-out problems evaluated (default 256; --quick 64)")
-  figures.add_argument("--workers", type=int, help="runs trained at a time, each in its own process "
-                                                   "(default 2: one run keeps about one core busy)")
+  figures.add_argument("--workers", type=int, default=2, help="runs trained at a time, each in its own "
+                                                              "process (one run keeps about one core busy)")
   figures.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
                                                               "read against the repository root")
   figures.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. learner.lr=1e-4")

@@ -1,7 +1,7 @@
 """The paper's Figures 1-5 at demo scale, drawn from finished runs (PNG, matplotlib).
 
-Per-step series of the training batch are drawn faintly under their running mean (a quarter
-of the steps' window), as in ``rft_jax.train.plots``.
+Per-step series of the training batch are drawn faintly under their running mean over a quarter
+of the steps (``rft_jax.train.plots.plot_per_step``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 from rft_jax.eval.metrics import pass_rate_histogram
 from rft_jax.figures.claims import minus_covariance
 from rft_jax.figures.results import RunResult
-from rft_jax.train.plots import running_mean
+from rft_jax.train.plots import plot_per_step
 
 GRPO_COLOR = "0.45"
 PANEL_TITLES = {("only", "pos"): "(a) positive samples: only these tokens",
@@ -48,12 +48,7 @@ def _save(fig, path: str) -> str:
 
 
 def _curve(ax, run: RunResult, key: str, color, label: str) -> None:
-  steps, values = run.series(key)
-  if not len(steps):
-    return
-  window = max(len(steps) // 4, 1)
-  ax.plot(steps, running_mean(values, window), color=color, label=label)
-  ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+  plot_per_step(ax, run.steps, key, color, label=label, windows=4)
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 

@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from rft_jax.train.metrics_log import read_metrics
+from rft_jax.train.plots import metric_series
 
 
 @dataclasses.dataclass
@@ -31,8 +32,8 @@ class RunResult:
 
   def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
     """``(steps, values)`` of a per-step metric where it was logged."""
-    points = [(r["step"], r[key]) for r in self.steps if r.get(key) is not None]
-    return np.array([p[0] for p in points], np.int64), np.array([p[1] for p in points], np.float64)
+    steps, values = metric_series(self.steps, key)
+    return np.array(steps, np.int64), np.array(values, np.float64)
 
   def mean(self, key: str) -> float:
     return float(np.mean(self.series(key)[1]))

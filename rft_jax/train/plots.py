@@ -19,7 +19,8 @@ import numpy as np
 from rft_jax.train.metrics_log import read_metrics
 
 
-def _series(records, key):
+def metric_series(records: Sequence[dict], key: str) -> tuple[list, list]:
+  """``(steps, values)`` of a metric over a run's records, where it was logged."""
   points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
   return [p[0] for p in points], [p[1] for p in points]
 
@@ -32,13 +33,14 @@ def running_mean(values: Sequence[float], window: int) -> np.ndarray:
   return (sums[ends] - sums[starts]) / (ends - starts)
 
 
-def _plot_per_step(ax, records, key, color, style="-"):
-  """A per-step series, faint, under its running mean (a tenth of the steps)."""
-  steps, values = _series(records, key)
+def plot_per_step(ax, records, key, color, style="-", *, label: str | None = None, windows: int = 10):
+  """A per-step series, faint, under its running mean over ``1 / windows`` of the steps;
+  labelled ``label`` (default: ``key``)."""
+  steps, values = metric_series(records, key)
   if not steps:
     return
-  window = max(len(steps) // 10, 1)
-  ax.plot(steps, running_mean(values, window), style, color=color, label=key)
+  window = max(len(steps) // windows, 1)
+  ax.plot(steps, running_mean(values, window), style, color=color, label=key if label is None else label)
   if window > 1:
     ax.plot(steps, values, style, color=color, alpha=0.25, linewidth=0.8)
 
@@ -112,8 +114,8 @@ def draw_runs(run_dirs: Sequence[str]):
   for name, run_dir, color in zip(run_names(run_dirs), run_dirs, colors):
     records = read_metrics(run_dir)
     for panel, key, label in ((0, "actor/entropy", "training batch"), (1, "train/accuracy", "train acc")):
-      if _series(records, key)[0]:
-        _plot_per_step(axes[panel], records, key, color, TRAINING_STYLE)
+      if metric_series(records, key)[0]:
+        plot_per_step(axes[panel], records, key, color, TRAINING_STYLE)
         series[panel].setdefault(label, TRAINING_STYLE)
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/")})
     for panel, keys in ((0, [k for k in eval_keys if k.endswith("/entropy")]),
@@ -122,10 +124,10 @@ def draw_runs(run_dirs: Sequence[str]):
         label = key[len("eval/"):]  # <set>/avg@k, <set>/entropy
         style = eval_styles[panel].setdefault(label, EVAL_STYLES[len(eval_styles[panel]) % len(EVAL_STYLES)])
         series[panel][label] = style
-        axes[panel].plot(*_series(records, key), style, color=color, label=label)
+        axes[panel].plot(*metric_series(records, key), style, color=color, label=label)
     for key, style in FRACTION_STYLES.items():
-      if _series(records, key)[0]:
-        _plot_per_step(axes[2], records, key, color, style)
+      if metric_series(records, key)[0]:
+        plot_per_step(axes[2], records, key, color, style)
         series[2].setdefault(key, style)
     pairs = _forecast_pairs(records)
     if len(pairs):
