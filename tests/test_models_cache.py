@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import make_tiny_qwen
-from rft_jax.models import KVCache, load_hf
+from rft_jax.models import KVCache, feature_major, load_hf
 
 LENGTHS = (6, 3, 1)
 STEPS = 5
@@ -39,22 +39,32 @@ _prefill = nnx.jit(lambda m, ids, mask, cache: m.prefill(ids, mask, cache))
 _decode = nnx.jit(lambda m, tokens, cache: m.decode_step(tokens, cache), donate_argnums=2)
 
 
-def test_decode_step_with_unstacked_layers_and_vocab_major_logits(model):
-  """The decode loop's CPU form (layers sliced once, ``[V, B]`` logits) equals the default."""
+def test_feature_major_decode_step_equals_decode_step(model):
+  """The CPU decode loop's step (weights transposed once, feature-major activations, ``[V, B]``
+  logits, elementwise attention scores) equals ``Qwen.decode_step``: logits and every cache field,
+  over two steps (the second reads the first one's cache)."""
   prompt, mask = left_padded_batch()
   cache = model.init_cache(len(LENGTHS), MAX_LEN)
   _, cache = _prefill(model, jnp.asarray(prompt), jnp.asarray(mask), cache)
-  tokens = jnp.asarray([3, 5, 7])
 
   @nnx.jit
-  def both(m, tokens, cache):
-    logits, _ = m.decode_step(tokens, cache)
-    hidden, _ = m.decode_step(tokens, cache, layers=m.unstacked_layers(), return_hidden=True)
-    return logits, m.vocab_major_logits(hidden)
+  def two_steps(m, cache):
+    weights = feature_major.decode_weights(m)
+    out = []
+    for tokens in (jnp.asarray([3, 5, 7]), jnp.asarray([11, 2, 9])):
+      logits, cache_rows = m.decode_step(tokens, cache[0] if out else cache)
+      vocab_major, cache_feat = feature_major.decode_step(m, weights, tokens,
+                                                          cache[1] if out else cache)
+      out.append((logits, vocab_major))
+      cache = (cache_rows, cache_feat)
+    return out, cache
 
-  logits, vocab_major = both(model, tokens, cache)
-  assert vocab_major.shape == logits.shape[::-1]
-  np.testing.assert_allclose(vocab_major.T, logits, rtol=1e-5, atol=1e-5)
+  steps, (cache_rows, cache_feat) = two_steps(model, cache)
+  for logits, vocab_major in steps:
+    assert vocab_major.shape == logits.shape[::-1]
+    np.testing.assert_allclose(vocab_major.T, logits, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(cache_rows), jax.tree.leaves(cache_feat)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def _reference(model, prompt, mask, tokens):

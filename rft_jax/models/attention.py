@@ -28,7 +28,7 @@ from rft_jax.models.layers import RMSNorm, normal_init, param, rotate
 
 # Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
 # uniform (unused) distribution instead of NaN.
-_MASKED = -1e30
+MASKED_SCORE = -1e30
 
 # Queries per block of blockwise_self_attention: a block holds [B, N, BLOCK, T] float32 scores.
 ATTENTION_BLOCK = 512
@@ -54,7 +54,7 @@ def attend(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], v: Float[Arra
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (h ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+  scores = jnp.where(mask[:, None, None, :, :], scores, MASKED_SCORE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
   return out.reshape(b, t, n, h)
@@ -155,7 +155,7 @@ def attend_cache(q: Float[Array, "B T N H"], k_cache: Float[Array, "B K H S"],
   q = q.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
   scores = jnp.einsum("bkgth,bkhs->bkgts", q, k_cache, preferred_element_type=jnp.float32)
   scores = scores * (h ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+  scores = jnp.where(mask[:, None, None, :, :], scores, MASKED_SCORE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
   out = jnp.einsum("bkgts,bksh->bkgth", probs, v_cache)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)

@@ -37,9 +37,9 @@ def param(init: Initializer, key: Array, shape: tuple[int, ...], dtype, axes: tu
   return nnx.Param(init(key, shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
-def rms_norm(x: Float[Array, "... D"], scale: Float[Array, "D"], eps: float
+def rms_norm(x: Float[Array, "... D"], scale: Float[Array, "D"], eps: float, axis: int = -1
              ) -> Float[Array, "... D"]:
-  r"""RMSNorm as Hugging Face computes it.
+  r"""RMSNorm as Hugging Face computes it, over ``axis`` (the last by default).
 
   .. math:: y = w \odot \mathrm{cast}\Big(\frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}}\Big)
 
@@ -47,8 +47,9 @@ def rms_norm(x: Float[Array, "... D"], scale: Float[Array, "D"], eps: float
   multiplied by the weight (cast to the same dtype), exactly as ``Qwen2RMSNorm``.
   """
   x32 = x.astype(jnp.float32)
-  var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32), axis=axis, keepdims=True)
   normed = (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+  scale = jnp.expand_dims(scale, tuple(range(1, x.ndim - axis % x.ndim)))  # [D, 1, ...]
   return scale.astype(x.dtype) * normed
 
 
@@ -82,16 +83,17 @@ def rope_cos_sin(positions: Int[Array, "B T"], head_dim: int, theta: float, dtyp
   return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def rotate(x: Float[Array, "B T n H"], cos: Float[Array, "B T 1 H"], sin: Float[Array, "B T 1 H"]
-           ) -> Float[Array, "B T n H"]:
+def rotate(x: Float[Array, "B T n H"], cos: Float[Array, "B T 1 H"], sin: Float[Array, "B T 1 H"],
+           axis: int = -1) -> Float[Array, "B T n H"]:
   r"""Rotary embedding in the Hugging Face ``rotate_half`` convention.
 
   :math:`y = x \cos\phi + \mathrm{rotate\_half}(x) \sin\phi` with
   :math:`\mathrm{rotate\_half}([x_1, x_2]) = [-x_2, x_1]` and ``cos``, ``sin`` from
-  :func:`rope_cos_sin` at the tokens' positions.
+  :func:`rope_cos_sin` at the tokens' positions. ``axis``: where the head width lies (``cos``
+  and ``sin`` broadcast against ``x``).
   """
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  x1, x2 = jnp.split(x, 2, axis=axis)
+  rotated = jnp.concatenate([-x2, x1], axis=axis)
   return x * cos + rotated * sin
 
 

@@ -19,11 +19,8 @@ Decoding (``cache`` is a :class:`~rft_jax.models.kv_cache.KVCache` pytree)::
   logits, cache = model.prefill(prompt_ids, prompt_mask, cache)   # left-padded prompts
   logits, cache = model.decode_step(next_tokens, cache)           # one token per row
 
-A decode loop on CPU slices the stacked layers once, outside the loop (see
-:meth:`Qwen.unstacked_layers`)::
-
-  layers = model.unstacked_layers()
-  logits, cache = model.decode_step(next_tokens, cache, layers=layers)
+A decode loop on CPU runs :mod:`rft_jax.models.feature_major` instead (the same step with
+weight-first products on weights transposed once per loop; ``[V, B]`` logits).
 """
 
 from __future__ import annotations
@@ -153,17 +150,6 @@ class Qwen(nnx.Module):
     return jnp.einsum("...d,dv->...v", hidden.astype(dtype), self.unembedding().astype(dtype),
                       preferred_element_type=jnp.float32)
 
-  def vocab_major_logits(self, hidden: Float[Array, "B D"]) -> Float[Array, "V B"]:
-    """:meth:`logits` of a few rows, transposed: the ``[V, D] x [D, B]`` product.
-
-    For a decode step's 32-odd rows this product is faster on CPU than ``[B, D] x [D, V]``
-    (about 0.3 ms of a 9 ms step for a 256-wide, 8192-token model); XLA rewrites a transpose of
-    :meth:`logits` back into the latter, so a caller that wants this one consumes ``[V, B]``.
-    """
-    dtype = self.config.dtype
-    return jax.lax.dot_general(self.unembedding().astype(dtype), hidden.astype(dtype),
-                               (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
   def _embed(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.config.dtype)
 
@@ -194,12 +180,11 @@ class Qwen(nnx.Module):
   def unstacked_layers(self) -> tuple[DecoderLayer, ...]:
     """The stacked layers as L separate modules, each parameter sliced at its layer index.
 
-    The cache path slices the stacked ``[L, ...]`` parameters per layer. On XLA:CPU a slice that
-    feeds a matrix product is a copy of that layer's weights, so a decode loop that slices inside
-    its ``while_loop`` body copies every layer's weights at every step (about a tenth of a small
-    model's step time). A loop that calls this once outside its ``while_loop`` and passes the
-    result as ``layers=`` to :meth:`decode_step` copies them once per call instead, and holds
-    that copy (the size of the layer weights) while it runs.
+    The cache path runs the layers one by one. On XLA:CPU a slice that feeds a matrix product is
+    a copy of that layer's weights, so a loop that slices inside its ``while_loop`` body copies
+    every layer's weights at every step; one that calls this once outside and passes the result
+    as ``layers=`` copies them once per call (and holds the copy while it runs). The sampler's
+    CPU loop holds :func:`~rft_jax.models.feature_major.decode_weights` instead.
     """
     graphdef, state = nnx.split(self.layers)
     return tuple(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
@@ -212,8 +197,6 @@ class Qwen(nnx.Module):
     Unrolled rather than scanned: each layer's cache is then read and written in place.
     ``layers``: :meth:`unstacked_layers`, or None to slice them here.
     """
-    if layers is None:
-      layers = self.unstacked_layers()
     # RoPE tables of positions 0 .. S-1 (a row's position never exceeds its slot count): they
     # depend on shapes only, so XLA computes them once, outside a decode loop, and a step only
     # gathers its rows (computed per step, the cos/sin were fused into, and recomputed by, every
@@ -221,7 +204,7 @@ class Qwen(nnx.Module):
     tables = self.rope(jnp.arange(cache.max_len)[None])  # [1, S, 1, H] each
     rope = tuple(jnp.take(t[0], positions, axis=0, mode="clip") for t in tables)
     k_all, v_all = [], []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(self.unstacked_layers() if layers is None else layers):
       x, k, v = layer.extend(x, rope, mask, cache.k[i], cache.v[i], cache.index)
       k_all.append(k)
       v_all.append(v)
@@ -284,20 +267,18 @@ class Qwen(nnx.Module):
     return hidden, cache
 
   def prefill(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"],
-              cache: KVCache, *, layers: tuple[DecoderLayer, ...] | None = None,
-              mesh: Mesh | None = None) -> tuple[Float[Array, "B V"], KVCache]:
+              cache: KVCache, *, mesh: Mesh | None = None
+              ) -> tuple[Float[Array, "B V"], KVCache]:
     """Runs a left-padded prompt batch into the empty ``cache`` (slots ``[0, T)``); returns the
     last position's logits.
 
     The prompt attends within itself with :meth:`self_attention` (memory linear in T), not
-    against the cache's slots. ``layers``: as for :meth:`extend`; ``mesh``: as for
-    :meth:`__call__`.
+    against the cache's slots. ``mesh``: as for :meth:`__call__`.
     """
     t = input_ids.shape[1]
     if t > cache.max_len:
       raise ValueError(f"prefill: {t} prompt tokens exceed the cache length {cache.max_len}")
-    if layers is None:
-      layers = self.unstacked_layers()
+    layers = self.unstacked_layers()
     valid = attention_mask.astype(jnp.bool_)
     rope = self.rope(positions_from_mask(attention_mask))
     attention = self.self_attention(mesh)
@@ -314,10 +295,10 @@ class Qwen(nnx.Module):
     return self.logits(self.norm(x)[:, -1]), cache
 
   def decode_step(self, tokens: Int[Array, "B"], cache: KVCache, *,
-                  layers: tuple[DecoderLayer, ...] | None = None, return_hidden: bool = False
-                  ) -> tuple[Float[Array, "B V"] | Float[Array, "B D"], KVCache]:
-    """Feeds one token per row; returns the next-token logits ``[B, V]`` (or, with
-    ``return_hidden``, the final normed hidden states ``[B, D]``) and the cache."""
+                  layers: tuple[DecoderLayer, ...] | None = None
+                  ) -> tuple[Float[Array, "B V"], KVCache]:
+    """Feeds one token per row; returns the next-token logits ``[B, V]`` and the cache
+    (``layers``: as for :meth:`extend`)."""
     hidden, cache = self.extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), jnp.int32), cache,
                                 layers=layers)
-    return (hidden[:, 0] if return_hidden else self.logits(hidden[:, 0])), cache
+    return self.logits(hidden[:, 0]), cache

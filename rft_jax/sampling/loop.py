@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from rft_jax.models import feature_major
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import Rules, tree_shardings
 from rft_jax.sampling.keys import completion_keys, step_keys
@@ -163,12 +164,11 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   rows = ("batch", None)
 
   on_cpu = _on_cpu(mesh)
-  layers = model.unstacked_layers() if on_cpu else None
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
   prompt_cache = _constrain(prompt_cache, axes, mesh, rules)
-  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, layers=layers,
-                                       mesh=mesh)
+  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh)
+  weights = feature_major.decode_weights(model) if on_cpu else None
 
   def repeat(x):
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
@@ -190,11 +190,11 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   loop = _record(loop, tokens, logp, spec.stop_token_ids)
 
   def body(s: LoopState) -> LoopState:
-    if on_cpu:  # the [V, B] product is the faster one there (Qwen.vocab_major_logits)
-      hidden, cache = model.decode_step(s.last_tokens, s.cache, layers=layers, return_hidden=True)
-      logits, vocab_axis = model.vocab_major_logits(hidden), 0
+    if on_cpu:  # weight-first products, [V, B] logits (see rft_jax.models.feature_major)
+      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache)
+      vocab_axis = 0
     else:
-      logits, cache = model.decode_step(s.last_tokens, s.cache, layers=layers)
+      logits, cache = model.decode_step(s.last_tokens, s.cache)
       vocab_axis = 1
     tokens, logp = spec.strategy(logits, step_keys(keys, s.step), temperature, top_k, top_p,
                                  vocab_axis=vocab_axis)
@@ -211,10 +211,10 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
 
 
 def _on_cpu(mesh: Mesh | None) -> bool:
-  """Whether the program runs on CPU, where the layers are sliced once per call rather than per
-  decode step (see ``Qwen.unstacked_layers``: a copy of the layer weights, held for the call;
-  elsewhere the slices stay in the loop and no copy is held), and decode steps compute their
-  logits vocabulary-major (``Qwen.vocab_major_logits``)."""
+  """Whether the program runs on CPU, where decode steps run feature-major
+  (:mod:`rft_jax.models.feature_major`: weight-first products on a transposed copy of the layer
+  weights, made once per call and held while it runs); elsewhere they run
+  :meth:`Qwen.decode_step`, which slices each layer's weights in the loop and holds no copy."""
   devices = mesh.devices.flat if mesh is not None else jax.devices()
   return next(iter(devices)).platform == "cpu"
 

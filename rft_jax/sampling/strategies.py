@@ -142,8 +142,8 @@ class Strategy:
 
     Args:
       logits: raw next-token logits, ``[B, V]``; or ``[V, B]`` with ``vocab_axis=0`` (what
-        ``Qwen.vocab_major_logits`` returns; plain sampling then runs on that layout, greedy and
-        truncated sampling on its transpose).
+        ``rft_jax.models.feature_major.decode_step`` returns; plain sampling then runs on that
+        layout, greedy and truncated sampling on its transpose).
       keys: ``[B]`` typed PRNG keys, one per row (unused when greedy).
       temperature: T > 0 (ignored when greedy).
       top_k, top_p: truncation (ignored unless ``truncate``).

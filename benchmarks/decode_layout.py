@@ -1,0 +1,105 @@
+"""The CPU decode step, row-first against feature-major (what ``rft_jax.models.feature_major``
+rests on), on the peers' models (``benchmarks/learner_step.py`` ``MODELS``, random weights).
+
+Each contender runs ``--steps`` decode steps of ``--rows`` rows in one compiled ``fori_loop``
+over the same prefilled cache of ``--slots`` slots, and the contenders alternate round by
+round (same machine load); the table gives milliseconds per step (median, min):
+
+* ``row-first``: ``Qwen.decode_step`` with its layers sliced once, outside the loop
+  (``[B, D] x [D, out]`` products, the GPU / TPU form; ``[B, V]`` logits);
+* ``feature-major``: ``feature_major.decode_step`` with its weights made once, outside the loop
+  (``[out, D] x [D, B]`` products, ``[V, B]`` logits, elementwise attention scores);
+* ``feature-major, dot scores``: the same with the scores as a batched matrix product
+  (``attend_cache``), to isolate the attention change.
+
+    python benchmarks/decode_layout.py [--model large] [--rows 32] [--slots 176] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from learner_step import build  # benchmarks/ is this script's directory
+from rft_jax.models import attention, feature_major
+
+
+def dot_scores(q, k_cache, v_cache, mask):
+  """``feature_major.attend`` with the scores as ``attend_cache``'s batched product."""
+  b, k, g, h = q.shape
+  out = attention.attend_cache(q.reshape(b, 1, k * g, h), k_cache, v_cache, mask[:, None])
+  return out.reshape(b, k, g, h)
+
+
+def decode_loop(prepare, step, vocab_axis: int, steps: int):
+  """A compiled ``fori_loop`` of ``steps`` greedy decode steps; ``prepare(m)`` runs once, before
+  the loop (the feature-major weights), ``step(m, prepared, tokens, cache)`` in it."""
+  @nnx.jit
+  def run(m, tokens, cache):
+    prepared = prepare(m)
+
+    def body(i, carry):
+      tokens, cache = carry
+      logits, cache = step(m, prepared, tokens, cache)
+      return jnp.argmax(logits, axis=vocab_axis).astype(jnp.int32), cache
+    return jax.lax.fori_loop(0, steps, body, (tokens, cache))[0]
+  return run
+
+
+def contenders(steps: int) -> dict:
+  """name -> (compiled loop, attention function the feature-major step traces with)."""
+  rows = decode_loop(lambda m: m.unstacked_layers(),
+                     lambda m, layers, tokens, cache: m.decode_step(tokens, cache, layers=layers),
+                     -1, steps)
+  def features():
+    return decode_loop(feature_major.decode_weights, feature_major.decode_step, 0, steps)
+  return {"row-first": (rows, feature_major.attend),
+          "feature-major": (features(), feature_major.attend),
+          "feature-major, dot scores": (features(), dot_scores)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="large", choices=("small", "large"))
+  parser.add_argument("--rows", type=int, default=32)
+  parser.add_argument("--slots", type=int, default=176, help="cache slots (prompt 48 + 128 new)")
+  parser.add_argument("--prompt", type=int, default=48)
+  parser.add_argument("--steps", type=int, default=64)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+
+  model = build(args.model)
+  rng = np.random.default_rng(0)
+  vocab = model.config.vocab_size
+  ids = jnp.asarray(rng.integers(3, vocab, (args.rows, args.prompt)), jnp.int32)
+  cache = model.init_cache(args.rows, args.slots)
+  _, cache = nnx.jit(lambda m, i, c: m.prefill(i, jnp.ones_like(i), c))(model, ids, cache)
+  tokens = jnp.asarray(rng.integers(3, vocab, args.rows), jnp.int32)
+  runs = contenders(args.steps)
+  attend = feature_major.attend
+  for run, scores in runs.values():  # compile, each with its attention
+    feature_major.attend = scores
+    jax.block_until_ready(run(model, tokens, cache))
+  feature_major.attend = attend
+  times = {name: [] for name in runs}
+  for _ in range(args.rounds):
+    for name, (run, _) in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run(model, tokens, cache))
+      times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+  print(f"{args.model}, {args.rows} rows, {args.slots} slots, {os.cpu_count()} cores, "
+        f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  print("| decode step | median ms | min ms |\n|---|---|---|")
+  for name, ts in times.items():
+    print(f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} |")
+
+
+if __name__ == "__main__":
+  main()

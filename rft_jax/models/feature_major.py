@@ -1,0 +1,190 @@
+r"""Decoding with feature-major activations: the CPU form of :meth:`Qwen.decode_step`.
+
+A decode step multiplies a few rows (the batch, ``B`` of 8-256) by every weight matrix. On
+XLA:CPU the products run faster weight-first, ``W^T [out, in] x h [in, B]``, than row-first,
+``h^T [B, in] x W [in, out]``: the kernels tile the long ``out`` axis, where row-first tiles
+leave a remainder of the few ``B`` rows. Measured with ``benchmarks/decode_layout.py`` on the
+peers' large model (hidden 512, 8 layers, vocabulary 32,768; 32 rows, two cores): 20.2 ms a
+step against 24.4 ms for the same products row-first, and 6.9 ms against 10.7 ms for the
+logits alone.
+
+So this path keeps every activation feature-major (``[D, B]``, ``[N, H, B]``, ``[F, B]``) from
+the embedding to the logits (``[V, B]``, which the samplers take with ``vocab_axis=0``), with
+weights transposed once per decode loop into a :class:`DecodeWeights` (each layer's q, k and v
+projections stacked into one matrix, gate and up into another). Attention reads the same
+:class:`~rft_jax.models.kv_cache.KVCache` as :meth:`Qwen.decode_step` (rows transposed in and
+out: ``B x N x H`` values). The arithmetic is that of :meth:`Qwen.decode_step` in the same dtypes
+(RMSNorm and softmax in float32, products in the compute dtype); only the summation order of
+the products differs (``tests/test_models_cache.py`` compares the two).
+
+The transposed weights are a copy of the layer weights, held while the loop runs (slicing the
+stacked weights inside the loop instead would copy them at every step: on XLA:CPU a slice
+feeding a matrix product is a copy)::
+
+  weights = decode_weights(model)               # once, outside the loop
+  logits, cache = decode_step(model, weights, next_tokens, cache)   # [V, B] float32
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from rft_jax.models.attention import MASKED_SCORE
+from rft_jax.models.kv_cache import KVCache
+from rft_jax.models.layers import rms_norm, rotate
+
+
+@flax.struct.dataclass
+class LayerWeights:
+  """One decoder layer's weights, transposed to ``[out, in]`` and cast to the compute dtype.
+
+  Attributes:
+    input_norm, post_norm: ``[D]`` RMSNorm scales.
+    qkv: ``[(N + 2K) H, D]`` the q, k and v projections, stacked.
+    qkv_bias: ``[(N + 2K) H]`` or None.
+    q_norm, k_norm: ``[H]`` per-head RMSNorm scales (Qwen3) or None.
+    o: ``[D, N H]`` the output projection; ``o_bias``: ``[D]`` or None.
+    gate_up: ``[2F, D]`` the gate and up projections, stacked; ``down``: ``[D, F]``.
+  """
+
+  input_norm: Array
+  qkv: Array
+  qkv_bias: Array | None
+  q_norm: Array | None
+  k_norm: Array | None
+  o: Array
+  o_bias: Array | None
+  post_norm: Array
+  gate_up: Array
+  down: Array
+
+
+@flax.struct.dataclass
+class DecodeWeights:
+  """Every weight a feature-major decode step reads.
+
+  Attributes:
+    layers: one :class:`LayerWeights` per layer.
+    norm: ``[D]`` the final RMSNorm scale.
+    embed: ``[V, D]`` the embedding table (as stored).
+    unembed: ``[V, D]`` the output matrix, vocabulary-major (the embedding table when tied).
+  """
+
+  layers: tuple[LayerWeights, ...]
+  norm: Array
+  embed: Array
+  unembed: Array
+
+
+def decode_weights(model) -> DecodeWeights:
+  """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers)."""
+  c = model.config
+  dtype = c.dtype
+  attn, mlp = model.layers.attn, model.layers.mlp
+
+  def stack_rows(names, module, width):  # [L, D, ...] weights -> per layer [sum(out), D]
+    return jnp.concatenate([getattr(module, n)[...][i].reshape(width, -1) for n in names],
+                           axis=1).T.astype(dtype)
+
+  def optional(module, name, i):
+    value = getattr(module, name, None)
+    return None if value is None else value[...][i].astype(dtype)
+
+  layers = []
+  for i in range(c.num_hidden_layers):
+    bias = None
+    if c.attention_bias:
+      bias = jnp.concatenate([getattr(attn, f"{n}_bias")[...][i].reshape(-1) for n in "qkv"])
+      bias = bias.astype(dtype)
+    layers.append(LayerWeights(
+        input_norm=model.layers.input_layernorm.scale[...][i],
+        qkv=stack_rows(("q_proj", "k_proj", "v_proj"), attn, c.hidden_size),
+        qkv_bias=bias,
+        q_norm=attn.q_norm.scale[...][i] if c.qk_norm else None,
+        k_norm=attn.k_norm.scale[...][i] if c.qk_norm else None,
+        o=attn.o_proj[...][i].reshape(-1, c.hidden_size).T.astype(dtype),
+        o_bias=optional(attn, "o_bias", i),
+        post_norm=model.layers.post_attention_layernorm.scale[...][i],
+        gate_up=stack_rows(("gate_proj", "up_proj"), mlp, c.hidden_size),
+        down=mlp.down_proj[...][i].T.astype(dtype),
+    ))
+  embed = model.embed_tokens[...]
+  unembed = embed if c.tie_word_embeddings else model.lm_head[...].T
+  return DecodeWeights(layers=tuple(layers), norm=model.norm.scale[...], embed=embed,
+                       unembed=unembed.astype(dtype))
+
+
+def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
+           v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]) -> Float[Array, "B K G H"]:
+  r"""One query per row against its cache: :func:`~rft_jax.models.attention.attend_cache` with
+  the scores summed elementwise in float32 instead of a batched matrix product.
+
+  Each of the ``B K`` products has only ``G`` (query heads per key head) rows, which XLA:CPU's
+  matrix kernels tile poorly; the elementwise sum reads each cached key once, along contiguous
+  slots (about 4% of a decode step of the peers' large model, ``benchmarks/decode_layout.py``).
+  """
+  h = q.shape[-1]
+  scores = jnp.sum(q[..., None].astype(jnp.float32) * k_cache[:, :, None].astype(jnp.float32),
+                   axis=3) * (h ** -0.5)  # [B, K, G, S]
+  scores = jnp.where(mask[:, None, None, :], scores, MASKED_SCORE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+  return jnp.einsum("bkgs,bksh->bkgh", probs, v_cache).astype(q.dtype)
+
+
+def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: KVCache
+                ) -> tuple[Float[Array, "V B"], KVCache]:
+  """:meth:`Qwen.decode_step` (one token per row), returning the logits vocabulary-major.
+
+  Args:
+    model: the :class:`~rft_jax.models.Qwen` (its config and RoPE tables).
+    weights: :func:`decode_weights` of ``model``.
+    tokens: ``[B]`` each row's latest token.
+    cache: the decode cache; slot ``cache.index`` receives the tokens.
+
+  Returns:
+    ``(logits [V, B] float32, cache)``.
+  """
+  c = model.config
+  dtype, eps = c.dtype, c.rms_norm_eps
+  n, k, h = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+  slots = jnp.arange(cache.max_len)
+  slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((tokens.shape[0], 1), bool),
+                                           (0, cache.index))
+  mask = (slots <= cache.index)[None] & slot_mask  # [B, S]
+  # RoPE at each row's position, [H, B]: from the tables of every slot, computed once per loop.
+  tables = model.rope(slots[None])  # [1, S, 1, H] each
+  cos, sin = (jnp.take(t[0, :, 0], cache.positions, axis=0, mode="clip").T for t in tables)
+
+  x = jnp.take(weights.embed, tokens, axis=0).astype(dtype).T  # [D, B]
+  k_all, v_all = [], []
+  for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v):
+    qkv = layer.qkv @ rms_norm(x, layer.input_norm, eps, axis=0)  # [(N + 2K) H, B]
+    if layer.qkv_bias is not None:
+      qkv = qkv + layer.qkv_bias[:, None]
+    qkv = qkv.reshape(n + 2 * k, h, -1)
+    q, key, value = qkv[:n], qkv[n:n + k], qkv[n + k:]  # [heads, H, B]
+    if layer.q_norm is not None:
+      q, key = rms_norm(q, layer.q_norm, eps, axis=1), rms_norm(key, layer.k_norm, eps, axis=1)
+    q, key = rotate(q, cos, sin, axis=1), rotate(key, cos, sin, axis=1)
+    k_cache = jax.lax.dynamic_update_slice(
+        k_cache, key.transpose(2, 0, 1)[..., None].astype(k_cache.dtype), (0, 0, 0, cache.index))
+    v_cache = jax.lax.dynamic_update_slice(
+        v_cache, value.transpose(2, 0, 1)[:, :, None].astype(v_cache.dtype),
+        (0, 0, cache.index, 0))
+    o = attend(q.reshape(k, n // k, h, -1).transpose(3, 0, 1, 2), k_cache, v_cache, mask)
+    x = x + layer.o @ o.reshape(o.shape[0], n * h).T  # o: [B, K, G, H]
+    if layer.o_bias is not None:
+      x = x + layer.o_bias[:, None]
+    gate_up = layer.gate_up @ rms_norm(x, layer.post_norm, eps, axis=0)  # [2F, B]
+    gate, up = jnp.split(gate_up, 2)
+    x = x + layer.down @ (jax.nn.silu(gate) * up)
+    k_all.append(k_cache)
+    v_all.append(v_cache)
+  hidden = rms_norm(x, weights.norm, eps, axis=0)
+  logits = jnp.matmul(weights.unembed, hidden, preferred_element_type=jnp.float32)
+  cache = KVCache(k=tuple(k_all), v=tuple(v_all), slot_mask=slot_mask,
+                  positions=cache.positions + 1, index=cache.index + 1)
+  return logits, cache
