@@ -174,13 +174,14 @@ def test_logprobs_equal_a_full_forward(model):
 
 
 def test_growing_cache_segments_change_nothing(model):
-  """Decoding in segments with growing caches (the default from 512 new tokens on) equals one
+  """Decoding in segments with growing caches (the default from 128 new tokens on) equals one
   full-size cache: same tokens, log-probs to float32 rounding, also when every row stops inside
   the first segment."""
   assert segment_ends(128, 4, 16) == (16, 32, 64, 128) and segment_ends(40, 4, 16) == (20, 40)
   assert segment_ends(40, 1, 16) == (40,) and segment_ends(8, 4, 16) == (8,)
-  assert segment_ends(7168, 4) == (896, 1792, 3584, 7168) and segment_ends(511, 4) == (511,)
-  assert SamplingParams().min_segment_tokens == 256
+  assert segment_ends(7168, 4) == (896, 1792, 3584, 7168) and segment_ends(127, 4) == (127,)
+  assert segment_ends(128, 4) == (64, 128) and segment_ends(511, 4, 256) == (511,)
+  assert SamplingParams().min_segment_tokens == 64
   params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, cache_segments=1, min_segment_tokens=16)
   whole = generate(model, PROMPTS, params, seed=5)
   split = generate(model, PROMPTS, dataclasses.replace(params, cache_segments=4), seed=5)

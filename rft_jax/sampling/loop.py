@@ -99,10 +99,11 @@ def cache_slots(prompt_length: int, new_tokens: int) -> int:
   return -(-(prompt_length + new_tokens - 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
-def segment_ends(max_new_tokens: int, segments: int, min_tokens: int = 256) -> tuple[int, ...]:
+def segment_ends(max_new_tokens: int, segments: int,
+                 min_tokens: int = SamplingParams.min_segment_tokens) -> tuple[int, ...]:
   """Token counts at which decode segments end: ``M, M/2, M/4, ...`` (at most ``segments``, none
-  below ``min_tokens``), increasing; e.g. ``(896, 1792, 3584, 7168)`` for 7,168, 4 and 256,
-  ``(16, 32, 64, 128)`` for 128, 4 and 16."""
+  below ``min_tokens``), increasing; e.g. ``(896, 1792, 3584, 7168)`` for 7,168 and 4,
+  ``(64, 128)`` for 128 and 4, ``(16, 32, 64, 128)`` for 128, 4 and 16."""
   ends = [max_new_tokens]
   while len(ends) < segments and ends[-1] // 2 >= min_tokens:
     ends.append(ends[-1] // 2)
