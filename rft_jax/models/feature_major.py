@@ -3,10 +3,9 @@ r"""Decoding with feature-major activations: the CPU form of :meth:`Qwen.decode_
 A decode step multiplies a few rows (the batch, ``B`` of 8-256) by every weight matrix. On
 XLA:CPU the products run faster weight-first, ``W^T [out, in] x h [in, B]``, than row-first,
 ``h^T [B, in] x W [in, out]``: the kernels tile the long ``out`` axis, where row-first tiles
-leave a remainder of the few ``B`` rows. Measured with ``benchmarks/decode_layout.py`` on the
-peers' large model (hidden 512, 8 layers, vocabulary 32,768; 32 rows, two cores): 20.2 ms a
-step against 24.4 ms for the same products row-first, and 6.9 ms against 10.7 ms for the
-logits alone.
+leave a remainder of the few ``B`` rows, and split unevenly over the cores. On the peers' large
+model (hidden 512, 8 layers, vocabulary 32,768; 32 rows, 176 cache slots, two cores) a decode
+step takes 29.9 ms here against 35.9 ms row-first (``python benchmarks/decode_layout.py``).
 
 So this path keeps every activation feature-major (``[D, B]``, ``[N, H, B]``, ``[F, B]``) from
 the embedding to the logits (``[V, B]``, which the samplers take with ``vocab_axis=0``), with
@@ -124,7 +123,8 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
 
   Each of the ``B K`` products has only ``G`` (query heads per key head) rows, which XLA:CPU's
   matrix kernels tile poorly; the elementwise sum reads each cached key once, along contiguous
-  slots (about 4% of a decode step of the peers' large model, ``benchmarks/decode_layout.py``).
+  slots: 29.9 ms a decode step of the peers' large model against 31.3 ms with the product
+  (``python benchmarks/decode_layout.py``).
   """
   h = q.shape[-1]
   scores = jnp.sum(q[..., None].astype(jnp.float32) * k_cache[:, :, None].astype(jnp.float32),
