@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import make_tiny_qwen
-from rft_jax.models import KVCache, feature_major, load_hf
+from rft_jax.models import KVCache, Qwen, QwenConfig, feature_major, load_hf
 
 LENGTHS = (6, 3, 1)
 STEPS = 5
@@ -43,8 +43,26 @@ def test_feature_major_decode_step_equals_decode_step(model):
   """The CPU decode loop's step (weights transposed once, feature-major activations, ``[V, B]``
   logits, elementwise attention scores) equals ``Qwen.decode_step``: logits and every cache field,
   over two steps (the second reads the first one's cache)."""
+  _check_feature_major(model)
+
+
+def test_feature_major_with_output_bias_and_a_bfloat16_cache():
+  """The same with the parts the checkpoints above lack: Qwen3 with q/k/v and output biases
+  (random, not zero), and a bfloat16 cache under float32 compute."""
+  config = QwenConfig("qwen3", 128, 64, 96, 2, 4, 2, head_dim=16, attention_bias=True)
+  model = Qwen(config, rngs=nnx.Rngs(0))
+  assert config.attention_out_bias and config.qk_norm
+  graphdef, state = nnx.split(model)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  state = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                       for x, k in zip(leaves, keys)])
+  _check_feature_major(nnx.merge(graphdef, state), cache_dtype=jnp.bfloat16)
+
+
+def _check_feature_major(model, cache_dtype=None):
   prompt, mask = left_padded_batch()
-  cache = model.init_cache(len(LENGTHS), MAX_LEN)
+  cache = model.init_cache(len(LENGTHS), MAX_LEN, dtype=cache_dtype)
   _, cache = _prefill(model, jnp.asarray(prompt), jnp.asarray(mask), cache)
 
   @nnx.jit
@@ -64,7 +82,9 @@ def test_feature_major_decode_step_equals_decode_step(model):
     assert vocab_major.shape == logits.shape[::-1]
     np.testing.assert_allclose(vocab_major.T, logits, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(cache_rows), jax.tree.leaves(cache_feat)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-5, atol=1e-6)
 
 
 def _reference(model, prompt, mask, tokens):

@@ -88,10 +88,6 @@ def decode_weights(model) -> DecodeWeights:
     return jnp.concatenate([getattr(module, n)[...][i].reshape(width, -1) for n in names],
                            axis=1).T.astype(dtype)
 
-  def optional(module, name, i):
-    value = getattr(module, name, None)
-    return None if value is None else value[...][i].astype(dtype)
-
   layers = []
   for i in range(c.num_hidden_layers):
     bias = None
@@ -105,7 +101,7 @@ def decode_weights(model) -> DecodeWeights:
         q_norm=attn.q_norm.scale[...][i] if c.qk_norm else None,
         k_norm=attn.k_norm.scale[...][i] if c.qk_norm else None,
         o=attn.o_proj[...][i].reshape(-1, c.hidden_size).T.astype(dtype),
-        o_bias=optional(attn, "o_bias", i),
+        o_bias=attn.o_bias[...][i].astype(dtype) if c.attention_out_bias else None,
         post_norm=model.layers.post_attention_layernorm.scale[...][i],
         gate_up=stack_rows(("gate_proj", "up_proj"), mlp, c.hidden_size),
         down=mlp.down_proj[...][i].T.astype(dtype),
@@ -130,8 +126,8 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
   scores = jnp.sum(q[..., None].astype(jnp.float32) * k_cache[:, :, None].astype(jnp.float32),
                    axis=3) * (h ** -0.5)  # [B, K, G, S]
   scores = jnp.where(mask[:, None, None, :], scores, MASKED_SCORE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-  return jnp.einsum("bkgs,bksh->bkgh", probs, v_cache).astype(q.dtype)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bkgs,bksh->bkgh", probs, v_cache.astype(q.dtype))
 
 
 def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: KVCache
