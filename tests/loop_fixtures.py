@@ -1,10 +1,10 @@
 """A tiny random Qwen, its tokenizer and a synthetic dataset for short runs of the loop."""
 
-import contextlib
 import json
 import shutil
 
 from hf_fixtures import make_tiny_qwen, make_tiny_tokenizer
+from rft_jax.train.compilation_cache import persistent_compilation_cache
 
 QUESTIONS = ["what is 1+1 ?", "be brief", "what is ?", "1+1 ?", "what 1+1", "is 1+1 ?", "be what ?", "brief 1+1"]
 
@@ -29,24 +29,9 @@ def overrides(setup, run_dir, steps, *extra):
           "eval.every=3", "eval.val_k=2", "progress=false", *extra]
 
 
-@contextlib.contextmanager
 def compilation_cache(path, min_compile_seconds=0.0):
   """JAX's persistent compilation cache in ``path`` while inside, for this process and for the
   trainers it starts with ``compilation_cache_dir=path``: a run that compiles programs an earlier
   run (in-process or not) compiled loads them instead. Programs that compiled in under
-  ``min_compile_seconds`` are not kept (None: JAX's default threshold). Off again, and
-  forgotten, on leaving."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache as cc
-
-  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
-  cc.reset_cache()  # JAX opens its cache once per process, in the directory set at that time
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  if min_compile_seconds is not None:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
-  try:
-    yield str(path)
-  finally:
-    jax.config.update("jax_compilation_cache_dir", None)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
-    cc.reset_cache()
+  ``min_compile_seconds`` are not kept (None: JAX's default threshold)."""
+  return persistent_compilation_cache(str(path), min_compile_seconds)

@@ -14,7 +14,7 @@ from flax import nnx
 from hf_fixtures import hf_model, make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.sampling import SamplingParams, generate, learner_arrays
-from rft_jax.sampling.loop import sample_loop, segment_ends
+from rft_jax.sampling.loop import loop_for, segment_ends
 
 VOCAB = 128
 PROMPTS = [[5, 17, 9, 33, 71, 2, 40], [88, 3], [12, 99, 64, 120, 7], [101]]
@@ -223,13 +223,13 @@ def test_same_seed_same_outputs_whatever_the_prompt_order(model):
 
 def test_batches_of_one_bucket_compile_one_program(model):
   generate(model, PROMPTS, NUCLEUS, seed=0)  # bucket (4 prompts, 16 tokens)
-  before = sample_loop._cache_size()
+  before = loop_for(None)._cache_size()
   compositions = [PROMPTS[:3], [[9] * 16, [3, 4], [77] * 11], PROMPTS[::-1]]
   for i, prompts in enumerate(compositions):
     generate(model, prompts, dataclasses.replace(NUCLEUS, temperature=0.5 + i / 4), seed=i)
-  assert sample_loop._cache_size() == before
+  assert loop_for(None)._cache_size() == before
   generate(model, [[5] * 17, [1]], NUCLEUS, seed=0)  # a new bucket: (2, 32)
-  assert sample_loop._cache_size() == before + 1
+  assert loop_for(None)._cache_size() == before + 1
 
 
 @pytest.mark.parametrize("prompts,match", [

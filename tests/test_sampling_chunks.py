@@ -18,7 +18,7 @@ from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
 from rft_jax.sampling import SamplingParams, batch_bucket, generate
-from rft_jax.sampling.loop import sample_loop
+from rft_jax.sampling.loop import loop_for
 from rft_jax.train.config import ConfigError, load_config
 from rft_jax.train.resolve import sampling_params
 
@@ -55,9 +55,9 @@ def _assert_same(a, b, *, exact: bool):
 def test_slices_equal_one_call_and_compile_once(ckpt, whole):
   model = load_hf(ckpt)
   assert set(whole.finish_reason) == {"stop", "length"}
-  before = sample_loop._cache_size()
+  before = loop_for(None)._cache_size()
   sliced = generate(model, PROMPTS, SLICED, seed=3)
-  assert sample_loop._cache_size() == before + 1  # three calls, one program
+  assert loop_for(None)._cache_size() == before + 1  # three calls, one program
   _assert_same(sliced, whole, exact=False)
   assert sliced.prompt_ids.shape == (7, 24)  # the whole list's width, in every slice
   groups = sliced.completion_ids.reshape(len(PROMPTS), PARAMS.n, -1)
@@ -70,17 +70,17 @@ def test_slices_equal_one_call_and_compile_once(ckpt, whole):
     np.testing.assert_array_equal(getattr(first_two, field), getattr(sliced, field)[:12],
                                   err_msg=field)
   generate(model, PROMPTS[:5], dataclasses.replace(SLICED, temperature=0.6), seed=9)
-  assert sample_loop._cache_size() == before + 1
+  assert loop_for(None)._cache_size() == before + 1
 
 
 def test_slices_on_a_mesh_equal_one_call(ckpt, whole):
   mesh = make_mesh(data=4, model=2)
   model = load_hf(ckpt, mesh=mesh)
-  before = sample_loop._cache_size()
+  before = loop_for(None)._cache_size()
   # 4 prompts a call (one per data shard), two calls: the last holds 3 and a dummy.
   sliced = generate(model, PROMPTS, dataclasses.replace(PARAMS, max_rollouts_per_call=9),
                     seed=3, mesh=mesh)
-  assert sample_loop._cache_size() == before + 1
+  assert loop_for(None)._cache_size() == before + 1
   _assert_same(sliced, whole, exact=False)
 
 

@@ -19,6 +19,7 @@ from rft_jax.sampling import (
     prompt_length_bucket,
     truncate,
 )
+from rft_jax.sampling.keys import step_uniforms
 
 
 @pytest.mark.parametrize("field,value", [
@@ -70,6 +71,25 @@ def test_keys_follow_the_prompt_not_its_place():
   np.testing.assert_array_equal(moved, keys[jnp.asarray([6, 7, 0, 1])])
 
 
+def test_completion_keys_and_step_uniforms_follow_the_fold_chain():
+  """Row ``b * n + j`` at step ``t`` draws ``U(fold(fold(fold^3(key(s), f_b), j), t))`` (the
+  keys module's formula), however the program batches the folds."""
+  fp = prompt_fingerprints([[1, 2, 3], [4], [9, 9]])
+  keys = completion_keys(jnp.uint32(5), jnp.asarray(fp), 2)
+  uniforms = np.asarray(jax.jit(step_uniforms, static_argnums=1)(keys, 4))
+  assert uniforms.shape == (6, 4) and ((0 <= uniforms) & (uniforms < 1)).all()
+  for b, words in enumerate(fp):
+    key = jax.random.key(5)
+    for word in words:
+      key = jax.random.fold_in(key, word)
+    for j in range(2):
+      row = jax.random.fold_in(key, j)
+      np.testing.assert_array_equal(jax.random.key_data(keys[b * 2 + j]), jax.random.key_data(row))
+      for t in range(4):
+        expected = jax.random.uniform(jax.random.fold_in(row, t), (), jnp.float32)
+        assert uniforms[b * 2 + j, t] == expected, (b, j, t)
+
+
 def test_truncation():
   logits = jnp.log(jnp.asarray([[0.5, 0.05, 0.3, 0.15], [0.25, 0.25, 0.25, 0.25]]))
   kept = lambda k, p: np.isfinite(np.asarray(truncate(logits, jnp.int32(k), jnp.float32(p))))
@@ -97,8 +117,8 @@ def test_categorical_draws_softmax_and_never_masked_entries(vocab):
   z[rng.choice(vocab, vocab // 3, replace=False)] = -np.inf
   z[-1] = -np.inf  # the padded block ends in masked entries
   n = 40_000
-  keys = jax.random.split(jax.random.key(vocab), n)
-  tokens = np.asarray(jax.jit(categorical)(keys, jnp.broadcast_to(jnp.asarray(z, jnp.float32),
+  uniforms = jax.random.uniform(jax.random.key(vocab), (n,))
+  tokens = np.asarray(jax.jit(categorical)(uniforms, jnp.broadcast_to(jnp.asarray(z, jnp.float32),
                                                                   (n, vocab))))
   assert np.isfinite(z[tokens]).all()
   p = np.exp(z - np.logaddexp.reduce(z))
@@ -111,13 +131,13 @@ def test_categorical_draws_softmax_and_never_masked_entries(vocab):
 
 def test_strategy_logprob_is_before_truncation():
   logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0, 0.0]] * 64)
-  keys = jax.random.split(jax.random.key(0), 64)
-  tokens, logp = Strategy(truncate=True)(logits, keys, jnp.float32(0.5), jnp.int32(2),
+  uniforms = jax.random.uniform(jax.random.key(0), (64,))
+  tokens, logp = Strategy(truncate=True)(logits, uniforms, jnp.float32(0.5), jnp.int32(2),
                                          jnp.float32(0.99))
   assert set(np.asarray(tokens).tolist()) == {0, 1}
   full = jax.nn.log_softmax(logits / 0.5)
   np.testing.assert_allclose(logp, full[np.arange(64), tokens], rtol=1e-6)
-  tokens, logp = Strategy(greedy=True)(logits, keys, jnp.float32(1.0), jnp.int32(0),
+  tokens, logp = Strategy(greedy=True)(logits, uniforms, jnp.float32(1.0), jnp.int32(0),
                                        jnp.float32(1.0))
   assert (tokens == 0).all()
   np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[:, 0], rtol=1e-6)
@@ -136,8 +156,8 @@ def test_strategy_on_vocab_major_logits_equals_rows(strategy):
   """``vocab_axis=0`` (``[V, B]`` logits, the CPU decode loop's layout) draws the same tokens
   with the same log-probabilities as ``[B, V]``."""
   logits = jax.random.normal(jax.random.key(1), (16, 300)) * 3
-  keys = jax.random.split(jax.random.key(2), 16)
-  args = (keys, jnp.float32(0.7), jnp.int32(20), jnp.float32(0.9))
+  uniforms = jax.random.uniform(jax.random.key(2), (16,))
+  args = (uniforms, jnp.float32(0.7), jnp.int32(20), jnp.float32(0.9))
   tokens, logp = jax.jit(strategy)(logits, *args)
   tokens_t, logp_t = jax.jit(lambda z, *a: strategy(z, *a, vocab_axis=0))(logits.T, *args)
   np.testing.assert_array_equal(tokens_t, tokens)

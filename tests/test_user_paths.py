@@ -42,7 +42,7 @@ def test_relative_paths_are_resolved_against_the_current_directory(tmp_path, mon
 def test_unset_paths_and_urls_are_kept(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   cfg = load_config(None, ["model.path=m", "data.train_path=gs://bucket/d.jsonl"])
-  assert cfg.model.ref_path == "" and cfg.compilation_cache_dir == ""  # unset / off
+  assert cfg.model.ref_path == "" and cfg.compilation_cache_dir is None  # unset: RUN_DIR/.jax_cache
   assert cfg.data.train_path == "gs://bucket/d.jsonl"
   assert cfg.model.path == str(tmp_path / "m")
 

@@ -15,7 +15,6 @@ from typing import Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "demo.yaml")
-CACHE_DIR_NAME = ".jax_cache"
 
 
 def overridden(overrides: Sequence[str], key: str) -> bool:
@@ -35,6 +34,7 @@ def load_demo_config(config_path: str | None = None, overrides: Sequence[str] = 
   """
   from omegaconf import OmegaConf
 
+  from rft_jax.train.compilation_cache import CACHE_DIR_NAME
   from rft_jax.train.config import absolute_path, load_config
 
   path = config_path or DEFAULT_CONFIG

@@ -24,7 +24,7 @@ from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, na
                               tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
-from rft_jax.sampling.loop import LoopSpec, sample_loop
+from rft_jax.sampling.loop import LoopSpec, loop_for
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import OnDevice, Rollouts
 
@@ -105,6 +105,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   live = np.arange(total) < num
 
   spec = LoopSpec.of(params, cache_dtype)
+  sample_loop = loop_for(mesh)
   outs = []
   for call in range(calls):  # one compiled program for every call: the same shapes
     inputs = [x[call * batch:(call + 1) * batch] for x in (ids, mask, fingerprints, live)]

@@ -7,7 +7,9 @@ The key of sample ``j`` of a prompt at decoding step ``t`` is
 
 where :math:`f` is the prompt's fingerprint: a 64-bit hash of its token ids (two 32-bit words)
 and its occurrence number among identical prompts of the call (0 for the first copy, 1 for the
-second, ...), so that repeated prompts in one call still get independent samples.
+second, ...), so that repeated prompts in one call still get independent samples. A step's draw
+takes one uniform number from its key, :math:`u_{j,t} = U(k_{j,t})`; the sampling program makes
+them all before it decodes (:func:`step_uniforms`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, UInt32
+from jaxtyping import Array, Float, UInt32
 
 
 def prompt_fingerprints(prompts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -36,18 +38,29 @@ def prompt_fingerprints(prompts: Sequence[Sequence[int]]) -> np.ndarray:
 
 def completion_keys(seed: UInt32[Array, ""], fingerprints: UInt32[Array, "B 3"], n: int
                     ) -> jax.Array:
-  """``[B * n]`` typed keys, row ``b * n + j`` for sample ``j`` of prompt ``b``."""
-  base = jax.random.key(seed)
-
-  def per_prompt(fingerprint):
-    key = base
-    for word in range(3):
-      key = jax.random.fold_in(key, fingerprint[word])
-    return jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n, dtype=jnp.uint32))
-
-  return jax.vmap(per_prompt)(fingerprints).reshape(-1)
+  """``[B * n]`` typed keys, row ``b * n + j`` for sample ``j`` of prompt ``b``: the seed's key
+  folded with the fingerprint's three words, then with ``j``, one fold at a time in a loop over
+  the four words (one hash to compile, where unrolled folds on CPU compiled one loop each)."""
+  b = fingerprints.shape[0]
+  words = jnp.concatenate([jnp.repeat(fingerprints, n, axis=0, total_repeat_length=b * n),
+                           jnp.tile(jnp.arange(n, dtype=jnp.uint32), b)[:, None]], axis=1)
+  fold = jax.vmap(jax.random.fold_in)
+  keys = jnp.broadcast_to(jax.random.key(seed), (b * n,))
+  return jax.lax.fori_loop(0, 4, lambda i, keys: fold(keys, words[:, i]), keys)
 
 
 def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
   """The keys of decoding step ``step`` (``[R]`` keys in, ``[R]`` keys out)."""
   return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+
+
+def step_uniforms(keys: jax.Array, steps: int) -> Float[Array, "R M"]:
+  """``[R, M]`` float32 in ``[0, 1)``: row ``r``'s uniform number at each decoding step
+  ``t < steps``, ``uniform(step_keys(keys, t)[r])``, every step at once.
+
+  One vectorised hash over ``R x M`` keys instead of two small ones in every step: the same
+  numbers, and on CPU a sampler that compiles faster (each hash is a loop of its own there).
+  """
+  def at(step):
+    return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys(keys, step))
+  return jax.vmap(at, out_axes=1)(jnp.arange(steps, dtype=jnp.int32))

@@ -25,7 +25,6 @@ batch bucket. Tokens drawn by done rows are not recorded: their slots hold token
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.struct
 import jax
@@ -37,7 +36,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 from rft_jax.models import feature_major
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import Rules, tree_shardings
-from rft_jax.sampling.keys import completion_keys, step_keys
+from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.strategies import Strategy
 
@@ -137,8 +136,7 @@ class LoopSpec:
                None if cache_dtype is None else jnp.dtype(cache_dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "mesh", "rules"))
-def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
+def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
                 prompt_ids: Int[Array, "B P"], prompt_mask: Int[Array, "B P"],
                 fingerprints: UInt32[Array, "B 3"], live: Bool[Array, "B"],
                 seed: UInt32[Array, ""], temperature: Float[Array, ""],
@@ -175,7 +173,8 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
 
   logits = repeat(logits)
-  keys = completion_keys(seed, fingerprints, n)
+  uniforms = step_uniforms(completion_keys(seed, fingerprints, n), m)  # [R, M]
+  uniforms = _constrain(uniforms, rows, mesh, rules)
 
   r = b * n
   loop = LoopState(
@@ -187,7 +186,7 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       logprobs=_constrain(jnp.zeros((r, m), jnp.float32), rows, mesh, rules),
       cache=None,
   )
-  tokens, logp = spec.strategy(logits, step_keys(keys, loop.step), temperature, top_k, top_p)
+  tokens, logp = spec.strategy(logits, uniforms[:, 0], temperature, top_k, top_p)
   loop = _record(loop, tokens, logp, spec.stop_token_ids)
 
   def body(s: LoopState) -> LoopState:
@@ -197,8 +196,8 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache)
       vocab_axis = 1
-    tokens, logp = spec.strategy(logits, step_keys(keys, s.step), temperature, top_k, top_p,
-                                 vocab_axis=vocab_axis)
+    u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
+    tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     s = s.replace(cache=_constrain(cache, axes, mesh, rules))
     return _record(s, tokens, logp, spec.stop_token_ids)
 
@@ -209,6 +208,24 @@ def sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     loop = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, loop)
     previous, repeats = loop.cache, 1
   return loop.replace(cache=None)
+
+
+_STATIC = ("graphdef", "spec", "mesh", "rules")
+sample_loop = jax.jit(_sample_loop, static_argnames=_STATIC)
+
+# XLA:CPU spends most of a sampler's compile time in LLVM, on the elementwise kernels around the
+# matrix products (library kernels, compiled already). LLVM at -O2 instead of XLA's -O3 compiles
+# the peers' small model's sampler in 2.2 s instead of 2.6 s, and it runs as fast
+# (`python benchmarks/sampler_compile.py`).
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
+sample_loop_cpu = jax.jit(_sample_loop, static_argnames=_STATIC,
+                          compiler_options=CPU_COMPILER_OPTIONS)
+
+
+def loop_for(mesh: Mesh | None):
+  """The compiled :func:`sample_loop` for the devices of ``mesh`` (the default devices without
+  one): :data:`sample_loop_cpu` on CPU, else :data:`sample_loop`."""
+  return sample_loop_cpu if _on_cpu(mesh) else sample_loop
 
 
 def _on_cpu(mesh: Mesh | None) -> bool:

@@ -51,11 +51,11 @@ def truncate(logits: Float[Array, "B V"], top_k: Int[Array, ""] | int,
   return jnp.where(logits < cutoff, _NEG_INF, logits)
 
 
-def categorical(keys: jax.Array, logits: Float[Array, "B V"]) -> Int[Array, "B"]:
-  r"""One draw per row from ``softmax(logits)`` by inversion, with one uniform per row.
+def categorical(uniforms: Float[Array, "B"], logits: Float[Array, "B V"]) -> Int[Array, "B"]:
+  r"""One draw per row from ``softmax(logits)`` by inversion of the row's uniform number.
 
   With weights :math:`w_i = e^{z_i - \max z}` cut into blocks of ``b`` (a power of two
-  :math:`\ge \sqrt V`) and :math:`u \sim U[0, 1)` from the row's key, the draw picks the
+  :math:`\ge \sqrt V`) and the row's :math:`u \sim U[0, 1)`, the draw picks the
   first block whose cumulative weight exceeds :math:`u \sum_i w_i`, then the first token of
   that block whose cumulative weight exceeds the remainder: two short prefix sums instead of
   one over V, and far cheaper than Gumbel-max (``jax.random.categorical``), which draws V
@@ -63,15 +63,15 @@ def categorical(keys: jax.Array, logits: Float[Array, "B V"]) -> Int[Array, "B"]
   when rounding pushes the target past the end of a prefix sum, the last entry of nonzero
   weight is taken.
   """
-  return draw(keys, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))[0]
+  return draw(uniforms, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))[0]
 
 
-def draw(keys: jax.Array, weights: Float[Array, "B V"], *, vocab_axis: int = 1
+def draw(uniforms: Float[Array, "B"], weights: Float[Array, "B V"], *, vocab_axis: int = 1
          ) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
   r""":func:`categorical` from unnormalised weights ``w >= 0`` (``exp`` of shifted logits).
 
   Args:
-    keys: ``[B]`` typed PRNG keys.
+    uniforms: ``[B]`` float32 in ``[0, 1)``, one per row.
     weights: ``[B, V]``, or ``[V, B]`` (vocabulary-major) with ``vocab_axis=0``.
 
   Returns:
@@ -92,8 +92,7 @@ def draw(keys: jax.Array, weights: Float[Array, "B V"], *, vocab_axis: int = 1
     block_sums = jnp.sum(weights, axis=1).T
   block_cdf = jnp.cumsum(block_sums, axis=-1)  # [B, blocks]
   total = block_cdf[:, -1]
-  target = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-  target = target * total
+  target = uniforms * total
   j = _first_above(block_cdf, target)
   below = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None],
                                                axis=-1)[:, 0], 0.0)
@@ -135,7 +134,7 @@ class Strategy:
     return cls(greedy=params.greedy,
                truncate=not params.greedy and (params.top_k > 0 or params.top_p < 1))
 
-  def __call__(self, logits: Float[Array, "B V"], keys: jax.Array,
+  def __call__(self, logits: Float[Array, "B V"], uniforms: Float[Array, "B"],
                temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""],
                *, vocab_axis: int = 1) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
     """One token per row and its log-probability (see the module docstring for which one).
@@ -144,7 +143,8 @@ class Strategy:
       logits: raw next-token logits, ``[B, V]``; or ``[V, B]`` with ``vocab_axis=0`` (what
         ``rft_jax.models.feature_major.decode_step`` returns; plain sampling then runs on that
         layout, greedy and truncated sampling on its transpose).
-      keys: ``[B]`` typed PRNG keys, one per row (unused when greedy).
+      uniforms: ``[B]`` float32 in ``[0, 1)``, one per row, what a draw inverts
+        (:func:`~rft_jax.sampling.keys.step_uniforms`; unused when greedy).
       temperature: T > 0 (ignored when greedy).
       top_k, top_p: truncation (ignored unless ``truncate``).
 
@@ -161,10 +161,10 @@ class Strategy:
       return tokens, token_logprob(logits, tokens)
     scaled = logits / temperature
     if self.truncate:
-      tokens = categorical(keys, truncate(scaled, top_k, top_p))
+      tokens = categorical(uniforms, truncate(scaled, top_k, top_p))
       return tokens, token_logprob(scaled, tokens)
     # One exp pass serves both the draw and the log-normaliser.
     shifted = scaled - jnp.max(scaled, axis=vocab_axis, keepdims=True)
-    tokens, total = draw(keys, jnp.exp(shifted), vocab_axis=vocab_axis)
+    tokens, total = draw(uniforms, jnp.exp(shifted), vocab_axis=vocab_axis)
     picked = jnp.take_along_axis(shifted, jnp.expand_dims(tokens, vocab_axis), axis=vocab_axis)
     return tokens, jnp.squeeze(picked, vocab_axis) - jnp.log(total)

@@ -210,8 +210,9 @@ class TrainConfig:
       with fresh prompts, up to ``max_refills`` extra sampling rounds per step.
     checkpoint_every / keep_checkpoints: orbax checkpoints (0: only at the end).
     progress: show a progress bar.
-    compilation_cache_dir: where JAX keeps compiled programs across processes ('' = off), so
-      that a rerun or a resumed run skips the compilations it has seen before.
+    compilation_cache_dir: where JAX keeps compiled programs across processes, so that a
+      resumed run or a rerun skips the compilations it has seen before (None, the default:
+      ``RUN_DIR/.jax_cache``; '' = off; :mod:`rft_jax.train.compilation_cache`).
     max_nonfinite_steps: the run stops with an error after this many consecutive steps whose
       loss or gradient norm was not finite (each such step is skipped: parameters and
       optimizer state unchanged).
@@ -240,7 +241,7 @@ class TrainConfig:
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
   progress: bool = True
-  compilation_cache_dir: str = ""
+  compilation_cache_dir: str | None = None
   max_nonfinite_steps: int = 3
   log_rollouts_every: int = 10
 

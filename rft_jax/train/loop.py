@@ -38,6 +38,7 @@ from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 from rft_jax.sampling import generate, learner_arrays
 from rft_jax.train.checkpoint import RunCheckpointer
+from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
 from rft_jax.train.config import DataConfig, TrainConfig
 from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
 from rft_jax.train.evaluate import evaluate_problems
@@ -361,12 +362,11 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
   progress bar.
   """
   main = is_main_process()
-  if cfg.compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
   inputs = validate_for_training(cfg, jax.device_count())
   logger.info("config checked: %d steps of %d prompts x %d samples into %s", cfg.steps,
               cfg.data.prompts_per_step, cfg.sampling.n, cfg.run_dir)
-  with (RunDirLock(cfg.run_dir) if main else contextlib.nullcontext()), StopSignals() as signals:
+  with (RunDirLock(cfg.run_dir) if main else contextlib.nullcontext()), StopSignals() as signals, \
+       persistent_compilation_cache(run_cache_dir(cfg.run_dir, cfg.compilation_cache_dir)) as cache:
     if main:
       prepare_run_dir(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
     sync_processes("rft_jax.prepare_run_dir")
@@ -385,13 +385,14 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
     completions = {name: JsonlFile(os.path.join(cfg.run_dir, f"{name}.jsonl"), resume_from_step=resume_from)
                    for name, on in (("rollouts", cfg.log_rollouts_every), ("eval_completions", cfg.eval.save_completions))
                    if on and main}
-    return _run_steps(run, state, start, checkpointer, log, signals, completions)
+    return _run_steps(run, state, start, checkpointer, log, signals, completions, cache)
 
 
 def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, signals,
-               completions: dict[str, JsonlFile]) -> dict[str, float]:
+               completions: dict[str, JsonlFile], cache: CacheUse) -> dict[str, float]:
   """The loop over steps. ``completions``: the run's ``rollouts`` and ``eval_completions`` JSONL
-  files (either absent when off, both on processes other than 0)."""
+  files (either absent when off, both on processes other than 0); ``cache``: the compilation
+  cache's use, reported after the first step."""
   cfg = run.config
   metrics: dict[str, float] = {}
   progress = _progress(cfg, start, enabled=is_main_process())
@@ -415,8 +416,9 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
         started = time.perf_counter()
         state, metrics = train_step(run, state, step, completions.get("rollouts"))
         if step == start:
-          logger.info("first step done in %.0f s (compiling the sampler and the learner step)",
-                      time.perf_counter() - started)
+          logger.info("first step done in %.0f s (compiling the sampler and the learner step; "
+                      "%d programs loaded from the compilation cache, %.0f s of compiling saved)",
+                      time.perf_counter() - started, cache.hits, cache.seconds_saved)
       except StopIteration:
         logger.warning("the training data ran out (data.epochs=%s) before step %d; stopping with a "
                        "checkpoint of step %d", cfg.data.epochs, step, done)

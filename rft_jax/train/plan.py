@@ -34,7 +34,7 @@ from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
-from rft_jax.sampling.loop import LoopSpec, cache_slots, sample_loop
+from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 
@@ -196,7 +196,8 @@ def layout_warnings(config: QwenConfig, model_axis: int) -> list[str]:
 
 def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, topo: Topology,
                   resident: int) -> dict[str, Any]:
-  """Compiles one ``sample_loop`` call: the prompts of one call at the longest prompt bucket."""
+  """Compiles one sampler call (:func:`~rft_jax.sampling.loop.loop_for` the mesh's devices): the
+  prompts of one call at the longest prompt bucket."""
   s = cfg.sampling
   params = sampling_params(cfg, stop_ids=(0,))
   # One call's prompts, as generate() slices a step's prompts (dummy rows included).
@@ -215,8 +216,8 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   scalars = [jax.ShapeDtypeStruct((), dtype, sharding=scalar)
              for dtype in (jnp.uint32, jnp.float32, jnp.int32, jnp.float32)]
   start = time.perf_counter()
-  compiled = sample_loop.lower(graphdef, state, *inputs, *scalars, spec=LoopSpec.of(params),
-                               mesh=mesh, rules=rules).compile()
+  compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, spec=LoopSpec.of(params),
+                                  mesh=mesh, rules=rules).compile()
   report = _memory(compiled, topo.hbm_bytes, resident)
   report.update(compile_seconds=time.perf_counter() - start,
                 kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
