@@ -39,8 +39,8 @@ def prompt_fingerprints(prompts: Sequence[Sequence[int]]) -> np.ndarray:
 def completion_keys(seed: UInt32[Array, ""], fingerprints: UInt32[Array, "B 3"], n: int
                     ) -> jax.Array:
   """``[B * n]`` typed keys, row ``b * n + j`` for sample ``j`` of prompt ``b``: the seed's key
-  folded with the fingerprint's three words, then with ``j``, one fold at a time in a loop over
-  the four words (one hash to compile, where unrolled folds on CPU compiled one loop each)."""
+  folded with the fingerprint's three words, then with ``j``: one fold at a time, in a loop over
+  the four words (one hash in the program instead of four)."""
   b = fingerprints.shape[0]
   words = jnp.concatenate([jnp.repeat(fingerprints, n, axis=0, total_repeat_length=b * n),
                            jnp.tile(jnp.arange(n, dtype=jnp.uint32), b)[:, None]], axis=1)
@@ -58,8 +58,8 @@ def step_uniforms(keys: jax.Array, steps: int) -> Float[Array, "R M"]:
   """``[R, M]`` float32 in ``[0, 1)``: row ``r``'s uniform number at each decoding step
   ``t < steps``, ``uniform(step_keys(keys, t)[r])``, every step at once.
 
-  One vectorised hash over ``R x M`` keys instead of two small ones in every step: the same
-  numbers, and on CPU a sampler that compiles faster (each hash is a loop of its own there).
+  Two vectorised hashes over ``R x M`` keys before decoding instead of two small ones in every
+  step: the same numbers, and no hashing left in the decode loop.
   """
   def at(step):
     return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(step_keys(keys, step))

@@ -137,11 +137,11 @@ class LoopSpec:
 
 
 def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
-                prompt_ids: Int[Array, "B P"], prompt_mask: Int[Array, "B P"],
-                fingerprints: UInt32[Array, "B 3"], live: Bool[Array, "B"],
-                seed: UInt32[Array, ""], temperature: Float[Array, ""],
-                top_k: Int[Array, ""], top_p: Float[Array, ""], *, spec: LoopSpec,
-                mesh: Mesh | None, rules: Rules) -> LoopState:
+                 prompt_ids: Int[Array, "B P"], prompt_mask: Int[Array, "B P"],
+                 fingerprints: UInt32[Array, "B 3"], live: Bool[Array, "B"],
+                 seed: UInt32[Array, ""], temperature: Float[Array, ""],
+                 top_k: Int[Array, ""], top_p: Float[Array, ""], *, spec: LoopSpec,
+                 mesh: Mesh | None, rules: Rules) -> LoopState:
   """Samples ``spec.n`` completions of every prompt (see the module docstring).
 
   Args:
@@ -215,8 +215,8 @@ sample_loop = jax.jit(_sample_loop, static_argnames=_STATIC)
 
 # XLA:CPU spends most of a sampler's compile time in LLVM, on the elementwise kernels around the
 # matrix products (library kernels, compiled already). LLVM at -O2 instead of XLA's -O3 compiles
-# the peers' small model's sampler in 2.2 s instead of 2.6 s, and it runs as fast
-# (`python benchmarks/sampler_compile.py`).
+# the peers' small model's sampler in 2.2 s instead of 2.5-2.7 s (large: 2.8 instead of 3.0 s),
+# and it runs as fast (`python benchmarks/sampler_compile.py`).
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
 sample_loop_cpu = jax.jit(_sample_loop, static_argnames=_STATIC,
                           compiler_options=CPU_COMPILER_OPTIONS)
