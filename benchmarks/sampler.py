@@ -106,9 +106,10 @@ class Transformers:
     self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids, mask = left_padded(prompts)
     self.width = ids.shape[1]
-    self.kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=True,
-                       temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=0)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature \
+        else dict(do_sample=False)  # --temperature 0: greedy
+    self.kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, pad_token_id=0, **sampling)
     with torch.inference_mode():  # warm-up
       self.model.generate(**{**self.kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
 

@@ -164,6 +164,16 @@ def test_strategy_on_vocab_major_logits_equals_rows(strategy):
   np.testing.assert_allclose(logp_t, logp, rtol=1e-6, atol=1e-6)
 
 
+def test_greedy_takes_the_first_of_tied_maxima_on_either_layout():
+  logits = jnp.asarray([[1.0, 3.0, 3.0, -2.0], [0.5, 0.5, 0.5, 0.5], [-1.0, -3.0, -2.0, -1.0]])
+  for z, axis in ((logits, 1), (logits.T, 0)):
+    tokens, logp = Strategy(greedy=True)(z, jnp.zeros(3), jnp.float32(1.0), jnp.int32(0),
+                                         jnp.float32(1.0), vocab_axis=axis)
+    np.testing.assert_array_equal(tokens, [1, 0, 0])
+    np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[np.arange(3), [1, 0, 0]],
+                               rtol=1e-6)
+
+
 def _rollouts() -> Rollouts:
   return Rollouts(
       prompt_ids=np.array([[0, 7, 8], [5, 6, 9]], np.int32),
