@@ -34,7 +34,7 @@ def load_demo_config(config_path: str | None = None, overrides: Sequence[str] = 
   """
   from omegaconf import OmegaConf
 
-  from rft_jax.train.compilation_cache import CACHE_DIR_NAME
+  from rft_jax.train.compilation_cache import run_cache_dir
   from rft_jax.train.config import absolute_path, load_config
 
   path = config_path or DEFAULT_CONFIG
@@ -44,5 +44,6 @@ def load_demo_config(config_path: str | None = None, overrides: Sequence[str] = 
       os.path.expanduser(file_model_path)):
     cfg.model.path = os.path.join(REPO_ROOT, file_model_path)
   if not overridden(overrides, "compilation_cache_dir"):
-    cfg.compilation_cache_dir = absolute_path(os.path.join(cfg.run_dir, CACHE_DIR_NAME))
+    # the demo run's cache, set explicitly: the variants, in their own run directories, share it
+    cfg.compilation_cache_dir = absolute_path(run_cache_dir(cfg.run_dir, None))
   return cfg

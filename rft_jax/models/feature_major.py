@@ -79,37 +79,38 @@ class DecodeWeights:
 
 
 def decode_weights(model) -> DecodeWeights:
-  """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers)."""
+  """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers:
+  :meth:`~rft_jax.models.Qwen.unstacked_layers`, transposed)."""
   c = model.config
   dtype = c.dtype
-  attn, mlp = model.layers.attn, model.layers.mlp
 
-  def stack_rows(names, module, width):  # [L, D, ...] weights -> per layer [sum(out), D]
-    return jnp.concatenate([getattr(module, n)[...][i].reshape(width, -1) for n in names],
+  def stack_rows(names, module):  # [D, ...] projections -> [sum(out), D]
+    return jnp.concatenate([getattr(module, n)[...].reshape(c.hidden_size, -1) for n in names],
                            axis=1).T.astype(dtype)
 
-  layers = []
-  for i in range(c.num_hidden_layers):
+  def transposed(layer) -> LayerWeights:  # one DecoderLayer
+    attn, mlp = layer.attn, layer.mlp
     bias = None
     if c.attention_bias:
-      bias = jnp.concatenate([getattr(attn, f"{n}_bias")[...][i].reshape(-1) for n in "qkv"])
+      bias = jnp.concatenate([getattr(attn, f"{n}_bias")[...].reshape(-1) for n in "qkv"])
       bias = bias.astype(dtype)
-    layers.append(LayerWeights(
-        input_norm=model.layers.input_layernorm.scale[...][i],
-        qkv=stack_rows(("q_proj", "k_proj", "v_proj"), attn, c.hidden_size),
+    return LayerWeights(
+        input_norm=layer.input_layernorm.scale[...],
+        qkv=stack_rows(("q_proj", "k_proj", "v_proj"), attn),
         qkv_bias=bias,
-        q_norm=attn.q_norm.scale[...][i] if c.qk_norm else None,
-        k_norm=attn.k_norm.scale[...][i] if c.qk_norm else None,
-        o=attn.o_proj[...][i].reshape(-1, c.hidden_size).T.astype(dtype),
-        o_bias=attn.o_bias[...][i].astype(dtype) if c.attention_out_bias else None,
-        post_norm=model.layers.post_attention_layernorm.scale[...][i],
-        gate_up=stack_rows(("gate_proj", "up_proj"), mlp, c.hidden_size),
-        down=mlp.down_proj[...][i].T.astype(dtype),
-    ))
+        q_norm=attn.q_norm.scale[...] if c.qk_norm else None,
+        k_norm=attn.k_norm.scale[...] if c.qk_norm else None,
+        o=attn.o_proj[...].reshape(-1, c.hidden_size).T.astype(dtype),
+        o_bias=attn.o_bias[...].astype(dtype) if c.attention_out_bias else None,
+        post_norm=layer.post_attention_layernorm.scale[...],
+        gate_up=stack_rows(("gate_proj", "up_proj"), mlp),
+        down=mlp.down_proj[...].T.astype(dtype),
+    )
+
   embed = model.embed_tokens[...]
   unembed = embed if c.tie_word_embeddings else model.lm_head[...].T
-  return DecodeWeights(layers=tuple(layers), norm=model.norm.scale[...], embed=embed,
-                       unembed=unembed.astype(dtype))
+  return DecodeWeights(layers=tuple(map(transposed, model.unstacked_layers())),
+                       norm=model.norm.scale[...], embed=embed, unembed=unembed.astype(dtype))
 
 
 def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
