@@ -46,6 +46,17 @@ def test_feature_major_decode_step_equals_decode_step(model):
   _check_feature_major(model)
 
 
+def test_unstacked_layers_at_traced_indices_equal_the_constant_slices(model):
+  """``unstacked_layers(at=...)`` (the sampler's form: indices that are arguments of the
+  program) gives every layer's parameters exactly; a wrong count of indices is an error."""
+  layers = model.config.num_hidden_layers
+  at = jax.jit(lambda m, ids: nnx.state(m.unstacked_layers(at=ids)))(
+      model, tuple(jnp.int32(i) for i in range(layers)))
+  jax.tree.map(np.testing.assert_array_equal, at, nnx.state(model.unstacked_layers()))
+  with pytest.raises(ValueError, match=f"1 layer indices for {layers} layers"):
+    model.unstacked_layers(at=(jnp.int32(0),))
+
+
 def test_feature_major_with_output_bias_and_a_bfloat16_cache():
   """The same with the parts the checkpoints above lack: Qwen3 with q/k/v and output biases
   (random, not zero), and a bfloat16 cache under float32 compute."""

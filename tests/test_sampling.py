@@ -5,6 +5,7 @@ outputs follow the seed and the prompt (not its place), and bucketed shapes reus
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +13,9 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import hf_model, make_tiny_qwen
-from rft_jax.models import load_hf
-from rft_jax.sampling import SamplingParams, generate, learner_arrays
-from rft_jax.sampling.loop import loop_for, segment_ends
+from rft_jax.models import Qwen, QwenConfig, load_hf
+from rft_jax.sampling import SamplingParams, generate, learner_arrays, prompt_fingerprints
+from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for, segment_ends
 
 VOCAB = 128
 PROMPTS = [[5, 17, 9, 33, 71, 2, 40], [88, 3], [12, 99, 64, 120, 7], [101]]
@@ -230,6 +231,32 @@ def test_batches_of_one_bucket_compile_one_program(model):
   assert loop_for(None)._cache_size() == before
   generate(model, [[5] * 17, [1]], NUCLEUS, seed=0)  # a new bucket: (2, 32)
   assert loop_for(None)._cache_size() == before + 1
+
+
+def _distinct_fusions(layers: int) -> int:
+  """Fused computations of the CPU sampler's compiled program for a random model of ``layers``
+  layers, counted once per body (names and metadata aside): the kernels XLA:CPU compiles."""
+  config = QwenConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, qk_norm=True)
+  graphdef, state = nnx.split(Qwen(config, rngs=nnx.Rngs(0)))
+  spec = LoopSpec.of(NUCLEUS)
+  compiled = loop_for(None).lower(
+      graphdef, state, np.ones((2, 16), np.int32), np.ones((2, 16), np.int32),
+      prompt_fingerprints([[1], [2]]), np.ones(2, bool), np.uint32(0), np.float32(1.0),
+      np.int32(0), np.float32(1.0), layer_indices(layers), spec=spec, mesh=None, rules=()
+  ).compile()
+  bodies = re.findall(r"\n%fused_computation[^\n]*\n(.*?\n)}", compiled.as_text(), re.S)
+  return len({re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", body))
+              for body in bodies})
+
+
+def test_sampler_kernels_do_not_grow_with_depth():
+  """The sampler slices each layer at an index that is an argument of its program, so the
+  kernels that read a layer's weights are one computation for every layer: 4 layers compile
+  (almost) the same kernels as 2. Sliced at constant offsets they were 12 more per layer."""
+  two, four = _distinct_fusions(2), _distinct_fusions(4)
+  assert four - two <= 2, (two, four)
 
 
 @pytest.mark.parametrize("prompts,match", [

@@ -78,9 +78,10 @@ class DecodeWeights:
   unembed: Array
 
 
-def decode_weights(model) -> DecodeWeights:
+def decode_weights(model, layers=None) -> DecodeWeights:
   """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers:
-  :meth:`~rft_jax.models.Qwen.unstacked_layers`, transposed)."""
+  ``layers``, the model's :meth:`~rft_jax.models.Qwen.unstacked_layers`, transposed; sliced here
+  when None)."""
   c = model.config
   dtype = c.dtype
 
@@ -109,7 +110,8 @@ def decode_weights(model) -> DecodeWeights:
 
   embed = model.embed_tokens[...]
   unembed = embed if c.tie_word_embeddings else model.lm_head[...].T
-  return DecodeWeights(layers=tuple(map(transposed, model.unstacked_layers())),
+  layers = model.unstacked_layers() if layers is None else layers
+  return DecodeWeights(layers=tuple(map(transposed, layers)),
                        norm=model.norm.scale[...], embed=embed, unembed=unembed.astype(dtype))
 
 

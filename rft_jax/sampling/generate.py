@@ -24,7 +24,7 @@ from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, na
                               tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
-from rft_jax.sampling.loop import LoopSpec, loop_for
+from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import OnDevice, Rollouts
 
@@ -114,7 +114,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
                                                mesh, rules)) for x in inputs]
     out = sample_loop(graphdef, state, *inputs, np.uint32(seed),
                       np.float32(params.temperature or 1.0), np.int32(params.top_k),
-                      np.float32(params.top_p), spec=spec, mesh=mesh, rules=rules)
+                      np.float32(params.top_p), layer_indices(model.config.num_hidden_layers),
+                      spec=spec, mesh=mesh, rules=rules)
     # Left on device (a few MB per call) and fetched once every call is queued: the device
     # does not wait for a transfer between calls. Each call's KV cache is freed when it ends.
     outs.append((out.tokens, out.logprobs, out.lengths, out.done))

@@ -29,6 +29,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
@@ -140,7 +141,8 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
                  prompt_ids: Int[Array, "B P"], prompt_mask: Int[Array, "B P"],
                  fingerprints: UInt32[Array, "B 3"], live: Bool[Array, "B"],
                  seed: UInt32[Array, ""], temperature: Float[Array, ""],
-                 top_k: Int[Array, ""], top_p: Float[Array, ""], *, spec: LoopSpec,
+                 top_k: Int[Array, ""], top_p: Float[Array, ""],
+                 layer_ids: tuple[Int[Array, ""], ...] | None = None, *, spec: LoopSpec,
                  mesh: Mesh | None, rules: Rules) -> LoopState:
   """Samples ``spec.n`` completions of every prompt (see the module docstring).
 
@@ -151,6 +153,10 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     live: False on dummy prompts.
     seed: the call's seed.
     temperature, top_k, top_p: scalars (traced: changing them does not recompile).
+    layer_ids: :func:`layer_indices` of the model, where the prefill and the decode weights
+      slice each layer (:meth:`~rft_jax.models.Qwen.unstacked_layers`: as arguments, XLA compiles
+      one set of per-layer kernels for every layer); None slices at constant offsets, which
+      compiles those kernels once per layer.
     spec, mesh, rules: static; with a mesh, rows are laid out over its ``data`` axis.
 
   Returns:
@@ -166,8 +172,10 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
   prompt_cache = _constrain(prompt_cache, axes, mesh, rules)
-  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh)
-  weights = feature_major.decode_weights(model) if on_cpu else None
+  layers = model.unstacked_layers(layer_ids)
+  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
+                                       layers=layers)
+  weights = feature_major.decode_weights(model, layers) if on_cpu else None
 
   def repeat(x):
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
@@ -215,11 +223,16 @@ sample_loop = jax.jit(_sample_loop, static_argnames=_STATIC)
 
 # XLA:CPU spends most of a sampler's compile time in LLVM, on the elementwise kernels around the
 # matrix products (library kernels, compiled already). LLVM at -O2 instead of XLA's -O3 compiles
-# the peers' small model's sampler in 2.2 s instead of 2.5-2.7 s (large: 2.8 instead of 3.0 s),
-# and it runs as fast (`python benchmarks/sampler_compile.py`).
+# the peers' small model's sampler in 1.9 s instead of 2.2 s (large: 2.3 instead of 2.6 s), and
+# it runs as fast (`python benchmarks/sampler_compile.py [--model large]`).
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
 sample_loop_cpu = jax.jit(_sample_loop, static_argnames=_STATIC,
                           compiler_options=CPU_COMPILER_OPTIONS)
+
+
+def layer_indices(num_layers: int) -> tuple[np.int32, ...]:
+  """The ``layer_ids`` argument of :func:`sample_loop`: ``0 .. L-1``, one int32 scalar each."""
+  return tuple(np.int32(i) for i in range(num_layers))
 
 
 def loop_for(mesh: Mesh | None):

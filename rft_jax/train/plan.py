@@ -34,7 +34,7 @@ from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
-from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
+from rft_jax.sampling.loop import LoopSpec, cache_slots, layer_indices, loop_for
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 
@@ -216,8 +216,10 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   scalars = [jax.ShapeDtypeStruct((), dtype, sharding=scalar)
              for dtype in (jnp.uint32, jnp.float32, jnp.int32, jnp.float32)]
   start = time.perf_counter()
-  compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, spec=LoopSpec.of(params),
-                                  mesh=mesh, rules=rules).compile()
+  layer_ids = tuple(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
+                    for _ in layer_indices(config.num_hidden_layers))
+  compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids,
+                                  spec=LoopSpec.of(params), mesh=mesh, rules=rules).compile()
   report = _memory(compiled, topo.hbm_bytes, resident)
   report.update(compile_seconds=time.perf_counter() - start,
                 kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
