@@ -26,6 +26,8 @@ feeding a matrix product is a copy)::
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -78,7 +80,7 @@ class DecodeWeights:
   unembed: Array
 
 
-def decode_weights(model, layers=None) -> DecodeWeights:
+def decode_weights(model, layers: Sequence | None = None) -> DecodeWeights:
   """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers:
   ``layers``, the model's :meth:`~rft_jax.models.Qwen.unstacked_layers`, transposed; sliced here
   when None)."""
