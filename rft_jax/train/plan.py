@@ -34,7 +34,7 @@ from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
-from rft_jax.sampling.loop import LoopSpec, cache_slots, layer_indices, loop_for
+from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 
@@ -217,7 +217,7 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
              for dtype in (jnp.uint32, jnp.float32, jnp.int32, jnp.float32)]
   start = time.perf_counter()
   layer_ids = tuple(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
-                    for _ in layer_indices(config.num_hidden_layers))
+                    for _ in range(config.num_hidden_layers))  # as layer_indices(L)
   compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids,
                                   spec=LoopSpec.of(params), mesh=mesh, rules=rules).compile()
   report = _memory(compiled, topo.hbm_bytes, resident)
