@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # GPU figures and checks (for a CUDA machine where rft_jax and its dependencies import), by section:
-#   roofline  the sampler's decode roofline at 0.5B and 1.5B (benchmarks/sampler.py --roofline);
+#   roofline  the sampler's decode step at 0.5B and 1.5B against the memory bound, and
+#             transformers' generate (benchmarks/sampler.py --roofline --transformers);
+#   graphs    the same at 0.5B with XLA's command buffers (CUDA graphs) over while loops too;
+#   mfu       the learner's model-FLOPs utilisation at 1.5B (benchmarks/learner_mfu.py);
 #   memory    token_stats' peak temporary memory at a real vocabulary (benchmarks/token_stats_memory.py);
 #   learner   the learner's step time with and without the masks (benchmarks/learner_overhead.py);
 #   tests     the single-device tests, run on the GPU (tests of the 8-device fake CPU mesh, of
 #             multi-host and the slow end-to-end ones are deselected).
-# Logs go to $OUT (or runs/gpu).  Usage:  bash benchmarks/gpu.sh [section ...]   (default: all)
+# Each command stops after $SECTION_TIMEOUT seconds (default 600).  Logs go to $OUT (or runs/gpu).
+# Usage:  bash benchmarks/gpu.sh [section ...]   (default: roofline graphs mfu memory learner tests)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-runs/gpu}
@@ -14,25 +18,36 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
 log() { tee "$out/$1.txt" | grep -v Warning; }
+run() { timeout "${SECTION_TIMEOUT:-600}" "$@"; }
+graphs=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(roofline memory learner tests)
+[ ${#sections[@]} -gt 0 ] || sections=(roofline graphs mfu memory learner tests)
 for section in "${sections[@]}"; do
   case $section in
     roofline)
-      python3 benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 2>&1 | log roofline_0.5b
-      python3 benchmarks/sampler.py --roofline --preset 1.5b --batches 64 256 2>&1 | log roofline_1.5b ;;
+      for preset in 0.5b 1.5b; do
+        run python3 benchmarks/sampler.py --roofline --preset $preset --batches 64 256 \
+          --transformers --repeats 3 2>&1 | log roofline_$preset
+      done ;;
+    graphs)
+      XLA_FLAGS="$graphs --xla_gpu_graph_min_graph_size=1 ${XLA_FLAGS:-}" run python3 \
+        benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 \
+        --repeats 3 2>&1 | log graphs_0.5b ;;
+    mfu)
+      run python3 benchmarks/learner_mfu.py --rows 16 --prompt 256 --completion 768 --micro 16 4 \
+        --repeats 3 2>&1 | log learner_mfu ;;
     memory)
-      python3 benchmarks/token_stats_memory.py 2>&1 | log token_stats_memory ;;
+      run python3 benchmarks/token_stats_memory.py 2>&1 | log token_stats_memory ;;
     learner)
-      python3 benchmarks/learner_overhead.py --batch 64 --completion 256 --vocab 151936 2>&1 | log learner_overhead ;;
+      run python3 benchmarks/learner_overhead.py --batch 64 --completion 256 --vocab 151936 2>&1 | log learner_overhead ;;
     tests)
       # four workers share the GPU, each allocating on demand (compilation is the cost)
-      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -n 4 --dist loadfile \
+      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run python3 -m pytest -n 4 --dist loadfile \
         -q -p no:cacheprovider -rf --tb=line -m "not slow" \
         -k "not mesh and not sharded and not multihost" \
         tests/test_token_stats.py tests/test_entropy_theory.py tests/test_rl_losses.py tests/test_clipping.py \
         tests/test_models_forward.py tests/test_models_cache.py tests/test_models_hf_io.py \
         tests/test_sampling.py tests/test_sampling_parts.py tests/test_learner.py 2>&1 | log pytest_gpu ;;
-    *) echo "unknown section $section (roofline, memory, learner, tests)"; exit 2 ;;
+    *) echo "unknown section $section (roofline, graphs, mfu, memory, learner, tests)"; exit 2 ;;
   esac
 done

@@ -15,13 +15,14 @@ Qwen3 built in memory for each ``cache_segments`` value (what ``min_segment_toke
 
 ``--roofline`` mode (meant for a GPU): for a preset config and batch sizes, the bytes one
 decode step must read (the weights once, plus each row's KV cache), the step time those bytes
-take at ``--hbm-gbps``, and the measured step time of ``generate`` (a random bfloat16 model,
-``(t(M) - t(1)) / (M - 1)``), i.e. the achieved fraction of the bandwidth. KV bytes are given
-both as the useful amount (the live context, averaged over the steps) and as what the decoder
-reads (every slot of the preallocated cache, masked or not).
+take at the device's memory bandwidth (the faster of two measured copies, or ``--hbm-gbps``), and the
+measured step time of ``generate`` (a random bfloat16 model, ``(t(M) - t(1)) / (M - 1)``, best
+of ``--repeats``), i.e. the achieved fraction of the bandwidth; ``--transformers`` times transformers' ``generate`` on the same GPU alike. KV bytes
+are given both as the useful amount (the live context, averaged over the steps) and as what
+the decoder reads (every slot of the last segment's cache, masked or not: a bound).
 
-    python benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 --hbm-gbps 3350
-    python benchmarks/sampler.py --roofline --preset 1.5b --dry-run   # bytes only, no run
+    python benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 --transformers
+    python benchmarks/sampler.py --roofline --preset 1.5b --dry-run --hbm-gbps 3350  # bytes only
 """
 
 from __future__ import annotations
@@ -166,40 +167,126 @@ def decode_bytes(config: QwenConfig, batch: int, prompt: int, new_tokens: int) -
           "kv_read": batch * slots * kv_per_token}
 
 
+def copy_gbps(gib: float = 2.0, repeats: int = 10) -> float:
+  """Measured device memory bandwidth: bytes read plus written by ``x + 1`` over ``gib`` GiB of
+  bfloat16, median of ``repeats`` runs, GB/s."""
+  x = jnp.ones((int(gib * 2 ** 30) // 2,), jnp.bfloat16)
+  add = jax.jit(lambda x: x + 1)
+  add(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    add(x).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * x.nbytes / statistics.median(times) / 1e9
+
+
+def torch_copy_gbps(gib: float = 4.0) -> float | None:
+  """Device-to-device copy through torch, bytes read + written per second (None without CUDA)."""
+  try:
+    import torch
+    if not torch.cuda.is_available():
+      return None
+  except ImportError:
+    return None
+  src = torch.empty(int(gib * 2 ** 30), dtype=torch.uint8, device="cuda")
+  dst = torch.empty_like(src)
+  for _ in range(3):
+    dst.copy_(src)
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record()
+  for _ in range(10):
+    dst.copy_(src)
+  end.record()
+  torch.cuda.synchronize()
+  seconds = start.elapsed_time(end) / 1e3 / 10
+  del src, dst
+  torch.cuda.empty_cache()
+  return 2 * gib * 2 ** 30 / seconds / 1e9
+
+
+def _best_seconds(run, repeats: int) -> float:
+  run(0)  # compile, warm up
+  times = []
+  for r in range(repeats):
+    start = time.perf_counter()
+    run(r + 1)
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def _transformers_step(config: QwenConfig, prompts, new_tokens: int, repeats: int) -> float:
+  """Seconds per decode step of transformers' ``generate`` (torch, CUDA, bfloat16, sampling at
+  T = 1, every row generating ``new_tokens``) on a random model of ``config``'s shapes."""
+  import torch
+  from transformers import AutoModelForCausalLM, Qwen2Config
+
+  hf_config = Qwen2Config(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                          intermediate_size=config.intermediate_size,
+                          num_hidden_layers=config.num_hidden_layers,
+                          num_attention_heads=config.num_attention_heads,
+                          num_key_value_heads=config.num_key_value_heads,
+                          tie_word_embeddings=config.tie_word_embeddings,
+                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=None)
+  model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).cuda().eval()
+  ids, mask = left_padded(prompts)
+  ids, mask = ids.cuda(), mask.cuda()
+
+  def run(m):
+    def once(seed):
+      torch.manual_seed(seed)
+      with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m,
+                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
+      torch.cuda.synchronize()
+    return _best_seconds(once, repeats)
+
+  step = (run(new_tokens) - run(1)) / (new_tokens - 1)
+  del model
+  torch.cuda.empty_cache()
+  return step
+
+
 def roofline(args) -> None:
   config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-  bandwidth = args.hbm_gbps * 1e9
-  print(f"backend {jax.default_backend()}: preset {args.preset}, prompt {args.prompt} tokens, "
-        f"{args.new_tokens} new tokens, bfloat16, HBM {args.hbm_gbps:.0f} GB/s")
+  measured = args.hbm_gbps is None  # the better of two copies: XLA's x + 1, torch's copy_
+  bandwidth = (max(copy_gbps(), torch_copy_gbps() or 0) if measured else args.hbm_gbps) * 1e9
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}): preset {args.preset}, "
+        f"prompt {args.prompt} tokens, {args.new_tokens} new tokens, bfloat16, memory "
+        f"{bandwidth / 1e9:.0f} GB/s ({'measured: a copy, read + write' if measured else 'given'})",
+        flush=True)
   model = None
   for batch in args.batches:
     b = decode_bytes(config, batch, args.prompt, args.new_tokens)
     useful = b["weights"] + b["kv_useful"]
     read = b["weights"] + b["kv_read"]
-    line = (f"batch {batch:4d}: weights {b['weights'] / 1e6:8.1f} MB, KV useful "
-            f"{b['kv_useful'] / 1e6:8.1f} MB / read {b['kv_read'] / 1e6:8.1f} MB per step; "
-            f"bound {useful / bandwidth * 1e3:7.3f} ms (useful) {read / bandwidth * 1e3:7.3f} ms "
-            f"(read)")
+    print(f"batch {batch:4d}: weights {b['weights'] / 1e6:8.1f} MB, KV useful "
+          f"{b['kv_useful'] / 1e6:8.1f} MB / read {b['kv_read'] / 1e6:8.1f} MB per step; "
+          f"bound {useful / bandwidth * 1e3:7.3f} ms (useful) {read / bandwidth * 1e3:7.3f} ms "
+          f"(read)", flush=True)
     if args.dry_run:
-      print(line)
       continue
     if model is None:
       model = Qwen(config, rngs=nnx.Rngs(0))
     prompts = make_prompts(batch, config.vocab_size, args.prompt, args.prompt)
-    step = {}
-    for m in (1, args.new_tokens):
+
+    def rft_jax(m):
       params = SamplingParams(temperature=1.0, max_new_tokens=m)
-      generate(model, prompts, params, seed=0)  # compile
-      times = []
-      for r in range(args.repeats):
-        start = time.perf_counter()
-        generate(model, prompts, params, seed=r + 1)
-        times.append(time.perf_counter() - start)
-      step[m] = min(times)
-    per_step = (step[args.new_tokens] - step[1]) / (args.new_tokens - 1)
-    print(f"{line}\n            measured {per_step * 1e3:7.3f} ms/step, "
-          f"{batch / per_step:9.0f} tokens/s; achieved {useful / per_step / bandwidth:6.1%} "
-          f"(useful bytes) {read / per_step / bandwidth:6.1%} (read bytes) of HBM bandwidth")
+      return _best_seconds(lambda seed: generate(model, prompts, params, seed=seed), args.repeats)
+
+    contenders = {"rft_jax": lambda: (rft_jax(args.new_tokens) - rft_jax(1)) / (args.new_tokens - 1)}
+    if args.transformers:
+      contenders["transformers generate"] = lambda: _transformers_step(
+          config, prompts, args.new_tokens, args.repeats)
+    for name, per_step in contenders.items():
+      try:
+        seconds = per_step()
+      except Exception as e:  # a contender that fails on this machine is reported, not fatal
+        print(f"  {name:<22} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        continue
+      print(f"  {name:<22} {seconds * 1e3:7.3f} ms/step, {batch / seconds:9.0f} tokens/s; "
+            f"{useful / seconds / bandwidth:6.1%} (useful bytes) "
+            f"{read / seconds / bandwidth:6.1%} (read bytes) of the bandwidth", flush=True)
 
 
 def segments(args) -> None:
@@ -248,7 +335,10 @@ def main() -> None:
   parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
   parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
   parser.add_argument("--prompt", type=int, default=256)
-  parser.add_argument("--hbm-gbps", type=float, default=3350.0, help="H100 SXM: 3350")
+  parser.add_argument("--hbm-gbps", type=float, default=None,
+                      help="memory bandwidth, GB/s (default: measured with a copy)")
+  parser.add_argument("--transformers", action="store_true",
+                      help="also time transformers' generate on the GPU (torch with CUDA)")
   parser.add_argument("--dry-run", action="store_true", help="roofline bytes only, no run")
   parser.add_argument("--segments", type=int, nargs="+",
                       help="time the first call and throughput for these cache_segments values instead")

@@ -5,8 +5,10 @@ outputs follow the seed and the prompt (not its place), and bucketed shapes reus
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from flax import nnx
 from hf_fixtures import hf_model, make_tiny_qwen
 from rft_jax.models import Qwen, QwenConfig, load_hf
 from rft_jax.sampling import SamplingParams, generate, learner_arrays, prompt_fingerprints
+from rft_jax.sampling import loop
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for, segment_ends
 
 VOCAB = 128
@@ -195,6 +198,48 @@ def test_growing_cache_segments_change_nothing(model):
                                                        stop_token_ids=stops), seed=5)
   assert (early.finish_reason == "stop").all() and early.completion_lengths.max() <= 3
   np.testing.assert_array_equal(early.completion_ids[:, :1], whole.completion_ids[:, :1])
+
+
+def _layer_slices_in_loops(jaxpr, num_layers: int, inside: bool = False) -> int:
+  """Slices of ``[num_layers, ...]`` arrays (the stacked layer weights) inside while loops."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
+    if inside and eqn.primitive.name in ("slice", "dynamic_slice") and len(shape) >= 2 and (
+        shape[0] == num_layers):
+      count += 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          count += _layer_slices_in_loops(sub, num_layers, inside or eqn.primitive.name == "while")
+  return count
+
+
+def test_gpu_program_decodes_on_layers_sliced_once(monkeypatch):
+  """XLA:GPU copies a sliced weight before a matrix product, so the GPU program slices the
+  layers (cast to the compute dtype) once per call, outside its decode loops, where the TPU
+  program slices them in the loop; both programs (run here on CPU) sample the same tokens."""
+  config = QwenConfig("qwen2", 256, 64, 128, 3, 4, 2, tie_word_embeddings=True,
+                      dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  bf16_model = Qwen(config, rngs=nnx.Rngs(3))
+  graphdef, state = nnx.split(bf16_model)
+  spec = LoopSpec.of(SamplingParams(max_new_tokens=40, min_segment_tokens=16))  # two loops
+  rows = np.ones((4, 8), np.int32)
+  args = (state, rows, rows, np.zeros((4, 3), np.uint32), np.ones(4, bool), np.uint32(0),
+          np.float32(1), np.int32(0), np.float32(1), layer_indices(3))
+  outputs = {}
+  for platform in ("tpu", "gpu"):
+    monkeypatch.setattr(loop, "_platform", lambda mesh, platform=platform: platform)
+    jaxpr = jax.make_jaxpr(functools.partial(loop._sample_loop, graphdef, spec=spec, mesh=None,
+                                             rules=None))(*args)
+    slices = _layer_slices_in_loops(jaxpr.jaxpr, num_layers=3)
+    assert (slices == 0) == (platform == "gpu"), (platform, slices)
+    loop.sample_loop.clear_cache()
+    outputs[platform] = generate(bf16_model, PROMPTS, NUCLEUS, seed=9)
+  loop.sample_loop.clear_cache()
+  np.testing.assert_array_equal(outputs["gpu"].completion_ids, outputs["tpu"].completion_ids)
+  np.testing.assert_allclose(outputs["gpu"].logprobs, outputs["tpu"].logprobs, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

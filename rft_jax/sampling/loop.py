@@ -171,11 +171,18 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   n, m = spec.n, spec.max_new_tokens
   rows = ("batch", None)
 
-  on_cpu = _on_cpu(mesh)
+  platform = _platform(mesh)
+  on_cpu = platform == "cpu"
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
   prompt_cache = _constrain(prompt_cache, axes, mesh, rules)
-  layers = model.unstacked_layers(layer_ids if on_cpu else None)
+  layers = model.unstacked_layers(layer_ids if on_cpu else None, compute_dtype=platform == "gpu")
+  # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
+  # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels, benchmarks/
+  # gpu_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py). GPUs
+  # slice them once, in the compute dtype, and hold the copy while the call runs (358 kernels a
+  # step); TPUs fuse the slices into the products and slice in the loop, holding no copy.
+  step_layers = layers if platform == "gpu" else None
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
@@ -205,7 +212,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache)
       vocab_axis = 0
     else:
-      logits, cache = model.decode_step(s.last_tokens, s.cache)
+      logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
       vocab_axis = 1
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
@@ -248,9 +255,15 @@ def _on_cpu(mesh: Mesh | None) -> bool:
   """Whether the program runs on CPU, where decode steps run feature-major
   (:mod:`rft_jax.models.feature_major`: weight-first products on a transposed copy of the layer
   weights, made once per call and held while it runs); elsewhere they run
-  :meth:`Qwen.decode_step`, which slices each layer's weights in the loop and holds no copy."""
+  :meth:`Qwen.decode_step` (on GPUs on a copy of the layers in the compute dtype, made once per
+  call; on TPUs slicing each layer's weights in the loop, holding no copy)."""
+  return _platform(mesh) == "cpu"
+
+
+def _platform(mesh: Mesh | None) -> str:
+  """``cpu``, ``gpu`` or ``tpu``: the platform of ``mesh``'s devices (else the default ones)."""
   devices = mesh.devices.flat if mesh is not None else jax.devices()
-  return next(iter(devices)).platform == "cpu"
+  return next(iter(devices)).platform
 
 
 def _grow(cache: KVCache, slots: int, repeats: int) -> KVCache:
