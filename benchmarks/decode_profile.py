@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sampler import PRESETS, make_prompts, torch_copy_gbps  # benchmarks/: this script's directory
+from sampler import (  # benchmarks/ is this script's directory
+    PRESETS, add_decode_shape_arguments, make_prompts, torch_copy_gbps)
 from rft_jax.models import Qwen
 from rft_jax.sampling import SamplingParams, generate
 
@@ -63,10 +64,7 @@ def summarise(path: str, steps: int, top: int) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--prompt", type=int, default=256)
-  parser.add_argument("--new-tokens", type=int, default=128)
+  add_decode_shape_arguments(parser)
   parser.add_argument("--top", type=int, default=30)
   parser.add_argument("--out", default=None, help="keep the trace here (default: a temporary dir)")
   args = parser.parse_args()

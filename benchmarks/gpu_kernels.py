@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sampler import PRESETS  # benchmarks/ is this script's directory
+from sampler import PRESETS, add_decode_shape_arguments  # benchmarks/ is this script's directory
 from rft_jax.models import Qwen
 from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.sampling import SamplingParams
@@ -58,10 +58,7 @@ def loop_bodies(hlo: str) -> dict[str, collections.Counter]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--prompt", type=int, default=256)
-  parser.add_argument("--new-tokens", type=int, default=128)
+  add_decode_shape_arguments(parser)
   parser.add_argument("--topology", default="h100:1", help="one GPU: h100:1 or h200:1")
   parser.add_argument("--top", type=int, default=12)
   args = parser.parse_args()

@@ -95,8 +95,8 @@ def main() -> None:
         jax.block_until_ready(state.params)
         times.append(time.perf_counter() - start)
       step = statistics.median(times)
-      print(f"remat {remat} micro {micro:3d}: step {step * 1e3:8.1f} ms (min {min(times) * 1e3:.1f},"
-            f" first {compile_s:.1f} s), {flops / step / 1e12:6.1f} TFLOP/s model: MFU "
+      print(f"remat {remat} micro {micro:3d}: step {step * 1e3:8.1f} ms (min "
+            f"{min(times) * 1e3:.1f}, first {compile_s:.1f} s), {flops / step / 1e12:6.1f} TFLOP/s model: MFU "
             f"{flops / step / 1e12 / args.peak_tflops:6.1%} of {args.peak_tflops:.0f}, "
             f"{flops / step / 1e12 / measured:6.1%} of the measured product", flush=True)
       del state, learner

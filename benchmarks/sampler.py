@@ -15,11 +15,12 @@ Qwen3 built in memory for each ``cache_segments`` value (what ``min_segment_toke
 
 ``--roofline`` mode (meant for a GPU): for a preset config and batch sizes, the bytes one
 decode step must read (the weights once, plus each row's KV cache), the step time those bytes
-take at the device's memory bandwidth (the faster of two measured copies, or ``--hbm-gbps``), and the
-measured step time of ``generate`` (a random bfloat16 model, ``(t(M) - t(1)) / (M - 1)``, best
-of ``--repeats``), i.e. the achieved fraction of the bandwidth; ``--transformers`` times transformers' ``generate`` on the same GPU alike. KV bytes
-are given both as the useful amount (the live context, averaged over the steps) and as what
-the decoder reads (every slot of the last segment's cache, masked or not: a bound).
+take at the device's memory bandwidth (the faster of two measured copies, or ``--hbm-gbps``),
+and the measured step time of ``generate`` (a random bfloat16 model, ``(t(M) - t(1)) / (M -
+1)``, best of ``--repeats``), i.e. the achieved fraction of the bandwidth; ``--transformers``
+times transformers' ``generate`` on the same GPU alike. KV bytes are given both as the useful
+amount (the live context, averaged over the steps) and as what the decoder reads (every slot of
+the last segment's cache, masked or not: a bound).
 
     python benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 --transformers
     python benchmarks/sampler.py --roofline --preset 1.5b --dry-run --hbm-gbps 3350  # bytes only
@@ -71,6 +72,14 @@ def build_checkpoint(root: str, hidden: int, layers: int, vocab: int) -> str:
   path = os.path.join(root, "ckpt")
   model.save_pretrained(path)
   return path
+
+
+def add_decode_shape_arguments(parser) -> None:
+  """``--preset``, ``--batch``, ``--prompt``, ``--new-tokens``: a GPU script's decode shapes."""
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--prompt", type=int, default=256)
+  parser.add_argument("--new-tokens", type=int, default=128)
 
 
 def make_prompts(batch: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -274,7 +283,8 @@ def roofline(args) -> None:
       params = SamplingParams(temperature=1.0, max_new_tokens=m)
       return _best_seconds(lambda seed: generate(model, prompts, params, seed=seed), args.repeats)
 
-    contenders = {"rft_jax": lambda: (rft_jax(args.new_tokens) - rft_jax(1)) / (args.new_tokens - 1)}
+    contenders = {
+        "rft_jax": lambda: (rft_jax(args.new_tokens) - rft_jax(1)) / (args.new_tokens - 1)}
     if args.transformers:
       contenders["transformers generate"] = lambda: _transformers_step(
           config, prompts, args.new_tokens, args.repeats)
