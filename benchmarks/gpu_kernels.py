@@ -61,10 +61,12 @@ def main() -> None:
   add_decode_shape_arguments(parser)
   parser.add_argument("--topology", default="h100:1", help="one GPU: h100:1 or h200:1")
   parser.add_argument("--top", type=int, default=12)
+  parser.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="the stored parameters' dtype (the paper's configs: float32)")
   args = parser.parse_args()
   topo = gpu_topology(args.topology)
   mesh = make_mesh(data=1, model=1, devices=topo.devices[:1])
-  config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
   rows = NamedSharding(mesh, PartitionSpec("data"))
@@ -82,7 +84,7 @@ def main() -> None:
                                   mesh=mesh, rules=sampler_rules()).compile()
   memory = compiled.memory_analysis()
   print(f"{args.topology} ({topo.devices[0].device_kind}), preset {args.preset}, batch {b}, "
-        f"prompt {p}, {args.new_tokens} new tokens: compiled in {time.perf_counter() - start:.0f} "
+        f"prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters: compiled in {time.perf_counter() - start:.0f} "
         f"s; arguments {memory.argument_size_in_bytes / 2 ** 30:.2f} GiB, temporaries "
         f"{memory.temp_size_in_bytes / 2 ** 30:.2f} GiB")
   for body, counts in loop_bodies(compiled.as_text()).items():

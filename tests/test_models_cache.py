@@ -57,25 +57,26 @@ def test_unstacked_layers_at_traced_indices_equal_the_constant_slices(model):
     model.unstacked_layers(at=(jnp.int32(0),))
 
 
-def test_unstacked_layers_in_the_compute_dtype():
-  """``compute_dtype=True`` (the GPU sampler's copy of the layers): matrices and biases cast to
-  the compute dtype as the layers cast them, the norm scales (Qwen3's q/k norms too) as stored,
-  so a layer gives the same output from either form."""
+def test_state_in_compute_dtype():
+  """The accelerator sampler's weights: matrices and biases cast to the compute dtype as the
+  layers cast them, the norm scales (Qwen3's q/k norms too) as stored, so a model merged from
+  them computes the same logits."""
   config = QwenConfig("qwen3", 128, 64, 96, 2, 4, 2, head_dim=16, attention_bias=True,
                       dtype=jnp.bfloat16, param_dtype=jnp.float32)
   model = Qwen(config, rngs=nnx.Rngs(2))
-  for stored, cast in zip(model.unstacked_layers(), model.unstacked_layers(compute_dtype=True)):
-    names = set()
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(stored)),
-                            jax.tree.leaves(nnx.state(cast))):
-      name = jax.tree_util.keystr(path)
-      names.add(name)
-      expected = a if "scale" in name else a.astype(jnp.bfloat16)
-      assert b.dtype == expected.dtype, name
-      np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(expected, np.float32))
-    assert {"['attn']['q_norm']['scale'].value", "['attn']['q_bias'].value"} <= names
-    x = jax.random.normal(jax.random.key(0), (2, 3, 64), jnp.float32)
-    np.testing.assert_array_equal(stored.mlp(x), cast.mlp(x))
+  graphdef, stored = nnx.split(model)
+  cast = model.state_in_compute_dtype()
+  names = set()
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(stored), jax.tree.leaves(cast)):
+    name = jax.tree_util.keystr(path)
+    names.add(name)
+    expected = a if "scale" in name else a.astype(jnp.bfloat16)
+    assert b.dtype == expected.dtype, name
+    np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(expected, np.float32))
+  assert {"['layers']['attn']['q_norm']['scale'].value", "['embed_tokens'].value",
+          "['layers']['attn']['q_bias'].value"} <= names
+  ids = jnp.asarray([[3, 7, 11, 5]])
+  np.testing.assert_array_equal(nnx.merge(graphdef, cast)(ids), model(ids))
 
 
 def test_feature_major_with_output_bias_and_a_bfloat16_cache():

@@ -10,6 +10,7 @@ between a call of 8 prompts and one of 3. The keys, and so the tokens, do not de
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -110,3 +111,49 @@ def test_config_passes_max_rollouts_per_call_to_the_sampler():
   assert sampling_params(load_config(None, required), (2,)).max_rollouts_per_call is None
   with pytest.raises(ConfigError, match="sampling.max_rollouts_per_call=8 is below sampling.n=16"):
     load_config(None, required + ["sampling.max_rollouts_per_call=8"])
+
+
+def _collectives_in_loops(hlo: str) -> int:
+  """All-gathers, all-to-alls and all-reduces in the while loops' bodies of compiled HLO text."""
+  computations, current, bodies = {}, None, []
+  for line in hlo.splitlines():
+    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+    if header:
+      current = computations.setdefault(header.group(1), [])
+    elif line.rstrip() == "}":
+      current = None
+    elif current is not None:
+      current.append(line)
+      bodies += re.findall(r" while\(.*body=%([^,\s]+)", line)
+  assert bodies
+  return sum(bool(re.search(r"= \S+ (all-gather|all-to-all|all-reduce)", line))
+             for body in bodies for line in computations[body])
+
+
+def test_accelerator_loop_gathers_weights_once_per_call(ckpt, whole, monkeypatch):
+  """On a data mesh the parameters are FSDP-sharded over data; the accelerator (TPU, GPU)
+  program gathers them once per call, so its decode loops run no collective at all (the rows
+  are split over data, the weights replicated there; gathered in the loop: 4 collectives a
+  step here), and it samples what one device does. Run on CPU devices, the platform patched."""
+  import functools
+  import importlib
+
+  from rft_jax.sampling import loop
+  generate_module = importlib.import_module("rft_jax.sampling.generate")  # the function's name
+
+  monkeypatch.setattr(loop, "_platform", lambda mesh: "tpu")
+  lowered = []
+
+  def recording(*args, **kwargs):
+    lowered.append(functools.partial(loop.sample_loop.lower, *args, **kwargs))
+    return loop.sample_loop(*args, **kwargs)
+
+  monkeypatch.setattr(generate_module, "loop_for", lambda mesh: recording)
+  loop.sample_loop.clear_cache()
+  mesh = make_mesh(data=8, model=1)
+  on_mesh = generate(load_hf(ckpt, mesh=mesh), PROMPTS, PARAMS, seed=3, mesh=mesh)
+  assert _collectives_in_loops(lowered[-1]().compile().as_text()) == 0
+  one_device = generate(load_hf(ckpt), PROMPTS, PARAMS, seed=3)
+  loop.sample_loop.clear_cache()
+  _assert_same(on_mesh, one_device, exact=False)
+  _assert_same(on_mesh, whole, exact=False)  # and what the CPU program samples

@@ -177,16 +177,16 @@ class Qwen(nnx.Module):
     x, _ = jax.lax.scan(body, x, state)
     return self.norm(x)
 
-  def unstacked_layers(self, at: Sequence[Int[Array, ""]] | None = None, *,
-                       compute_dtype: bool = False) -> tuple[DecoderLayer, ...]:
+  def unstacked_layers(self, at: Sequence[Int[Array, ""]] | None = None
+                       ) -> tuple[DecoderLayer, ...]:
     """The stacked layers as L separate modules, each parameter sliced at its layer index.
 
     The cache path runs the layers one by one. On XLA:CPU and XLA:GPU a slice that feeds a
     matrix product is a copy of that layer's weights (on TPUs it is not), so a loop that slices
     inside its ``while_loop`` body copies every layer's weights at every step; one that calls
     this once outside and passes the result as ``layers=`` copies them once per call (and holds
-    the copy while it runs). The sampler's GPU loop does so (``compute_dtype=True``); its CPU
-    loop holds :func:`~rft_jax.models.feature_major.decode_weights` instead.
+    the copy while it runs). The sampler's GPU loop does so; its CPU loop holds
+    :func:`~rft_jax.models.feature_major.decode_weights` instead.
 
     Args:
       at: the layer indices ``0 .. L-1`` as traced int32 scalars, one per layer, to slice at
@@ -199,28 +199,27 @@ class Qwen(nnx.Module):
         compiles in 1.9 s instead of 2.3 s, the large one (8 layers) in 2.3 s instead of 2.7
         (``python benchmarks/sampler_compile.py [--model large]``). Indices made inside the
         program are constants, which XLA folds back into the slices.
-      compute_dtype: the slices of the matrices and biases in ``config.dtype``, the dtype the
-        layers cast them to before use (the norm scales, which RMSNorm casts to its input's
-        dtype, as they are): the same results, and a copy of bfloat16 instead of float32
-        parameters.
     """
     graphdef, state = nnx.split(self.layers)
     if at is None:
-      at = range(self.config.num_hidden_layers)
-      take = lambda a, i: a[i]
-    else:
-      if len(at) != self.config.num_hidden_layers:
-        raise ValueError(f"unstacked_layers: {len(at)} layer indices for "
-                         f"{self.config.num_hidden_layers} layers")
-      take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+      return tuple(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+                   for i in range(self.config.num_hidden_layers))
+    if len(at) != self.config.num_hidden_layers:
+      raise ValueError(f"unstacked_layers: {len(at)} layer indices for "
+                       f"{self.config.num_hidden_layers} layers")
+    return tuple(nnx.merge(graphdef, jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), state)) for i in at)
 
-    def piece(path, a, i):
-      a = take(a, i)
+  def state_in_compute_dtype(self) -> nnx.State:
+    """The model's state with its matrices and biases in ``config.dtype``, the dtype every
+    product casts them to before use; the norm scales, which RMSNorm casts to its input's dtype,
+    as stored. A model merged from it computes the same results; with float32 parameters and
+    bfloat16 compute its weights take half the bytes."""
+    def cast(path, a):
       norm_scale = any(getattr(k, "key", None) == "scale" for k in path)
-      return a if norm_scale or not compute_dtype else a.astype(self.config.dtype)
+      return a if norm_scale else a.astype(self.config.dtype)
 
-    return tuple(nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
-        lambda path, a, i=i: piece(path, a, i), state)) for i in at)
+    return jax.tree_util.tree_map_with_path(cast, nnx.state(self))
 
   def _cached_layers(self, x, positions, mask, cache: KVCache,
                      layers: tuple[DecoderLayer, ...] | None):

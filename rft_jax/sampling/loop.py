@@ -36,7 +36,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rft_jax.models import feature_major
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.parallel import Rules, tree_shardings
+from rft_jax.parallel import TP_RULES, Rules, state_shardings, tree_shardings
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.strategies import Strategy
@@ -167,21 +167,23 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     ``b``).
   """
   model = nnx.merge(graphdef, state)
+  platform = _platform(mesh)
+  on_cpu = platform == "cpu"
+  if not on_cpu:
+    model = nnx.merge(graphdef, _decode_weights(model, mesh))
   b, p = prompt_ids.shape
   n, m = spec.n, spec.max_new_tokens
   rows = ("batch", None)
 
-  platform = _platform(mesh)
-  on_cpu = platform == "cpu"
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
   prompt_cache = _constrain(prompt_cache, axes, mesh, rules)
-  layers = model.unstacked_layers(layer_ids if on_cpu else None, compute_dtype=platform == "gpu")
+  layers = model.unstacked_layers(layer_ids if on_cpu else None)
   # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
   # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels, benchmarks/
   # gpu_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py). GPUs
-  # slice them once, in the compute dtype, and hold the copy while the call runs (358 kernels a
-  # step); TPUs fuse the slices into the products and slice in the loop, holding no copy.
+  # slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse the
+  # slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
@@ -249,6 +251,20 @@ def loop_for(mesh: Mesh | None):
   """The compiled :func:`sample_loop` for the devices of ``mesh`` (the default devices without
   one): :data:`sample_loop_cpu` on CPU, else :data:`sample_loop`."""
   return sample_loop_cpu if _on_cpu(mesh) else sample_loop
+
+
+def _decode_weights(model, mesh: Mesh | None) -> nnx.State:
+  """The state an accelerator's loop decodes with, made once per call: the matrices in the
+  compute dtype (:meth:`~rft_jax.models.Qwen.state_in_compute_dtype`: with the paper's float32
+  parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
+  (:data:`~rft_jax.parallel.TP_RULES`). Laid out as the learner keeps them, FSDP over ``data``,
+  the loop gathers every layer's weights over ``data`` at every step (the compiled TPU program of
+  Qwen2.5-0.5B on v5p:2x2x1: 168 all-gathers a step); gathered here, once per call, it runs
+  none, holding a copy of the weights replicated over ``data``."""
+  state = model.state_in_compute_dtype()
+  if mesh is None:
+    return state
+  return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, TP_RULES))
 
 
 def _on_cpu(mesh: Mesh | None) -> bool:
