@@ -3,13 +3,15 @@
 #   roofline  the sampler's decode step at 0.5B and 1.5B against the memory bound, and
 #             transformers' generate (benchmarks/sampler.py --roofline --transformers);
 #   graphs    the same at 0.5B with XLA's command buffers (CUDA graphs) over while loops too;
+#   profile   where a 0.5B decode step's time goes, by kernel (benchmarks/decode_profile.py);
 #   mfu       the learner's model-FLOPs utilisation at 1.5B (benchmarks/learner_mfu.py);
 #   memory    token_stats' peak temporary memory at a real vocabulary (benchmarks/token_stats_memory.py);
 #   learner   the learner's step time with and without the masks (benchmarks/learner_overhead.py);
 #   tests     the single-device tests, run on the GPU (tests of the 8-device fake CPU mesh, of
 #             multi-host and the slow end-to-end ones are deselected).
 # Each command stops after $SECTION_TIMEOUT seconds (default 600).  Logs go to $OUT (or runs/gpu).
-# Usage:  bash benchmarks/gpu.sh [section ...]   (default: roofline graphs mfu memory learner tests)
+# Usage:  bash benchmarks/gpu.sh [section ...]
+#         (default: roofline profile mfu graphs memory learner tests)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-runs/gpu}
@@ -21,7 +23,7 @@ log() { tee "$out/$1.txt" | grep -v Warning; }
 run() { timeout "${SECTION_TIMEOUT:-600}" "$@"; }
 graphs=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(roofline graphs mfu memory learner tests)
+[ ${#sections[@]} -gt 0 ] || sections=(roofline profile mfu graphs memory learner tests)
 for section in "${sections[@]}"; do
   case $section in
     roofline)
@@ -33,6 +35,8 @@ for section in "${sections[@]}"; do
       XLA_FLAGS="$graphs --xla_gpu_graph_min_graph_size=1 ${XLA_FLAGS:-}" run python3 \
         benchmarks/sampler.py --roofline --preset 0.5b --batches 64 256 \
         --repeats 3 2>&1 | log graphs_0.5b ;;
+    profile)
+      run python3 benchmarks/decode_profile.py --preset 0.5b --batch 64 2>&1 | log decode_profile ;;
     mfu)
       run python3 benchmarks/learner_mfu.py --rows 16 --prompt 256 --completion 768 --micro 16 4 \
         --repeats 3 2>&1 | log learner_mfu ;;
@@ -48,6 +52,7 @@ for section in "${sections[@]}"; do
         tests/test_token_stats.py tests/test_entropy_theory.py tests/test_rl_losses.py tests/test_clipping.py \
         tests/test_models_forward.py tests/test_models_cache.py tests/test_models_hf_io.py \
         tests/test_sampling.py tests/test_sampling_parts.py tests/test_learner.py 2>&1 | log pytest_gpu ;;
-    *) echo "unknown section $section (roofline, graphs, mfu, memory, learner, tests)"; exit 2 ;;
+    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, tests)"
+       exit 2 ;;
   esac
 done

@@ -181,7 +181,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
   # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels, benchmarks/
-  # gpu_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py). GPUs
+  # decode_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py). GPUs
   # slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse the
   # slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
@@ -258,9 +258,11 @@ def _decode_weights(model, mesh: Mesh | None) -> nnx.State:
   compute dtype (:meth:`~rft_jax.models.Qwen.state_in_compute_dtype`: with the paper's float32
   parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
   (:data:`~rft_jax.parallel.TP_RULES`). Laid out as the learner keeps them, FSDP over ``data``,
-  the loop gathers every layer's weights over ``data`` at every step (the compiled TPU program of
-  Qwen2.5-0.5B on v5p:2x2x1: 168 all-gathers a step); gathered here, once per call, it runs
-  none, holding a copy of the weights replicated over ``data``."""
+  the loop gathers every layer's weights over ``data`` at every step (Qwen2.5-0.5B on
+  v5p:2x2x1, ``python benchmarks/decode_kernels.py --topology v5p:2x2x1 --data 4``: 169
+  all-gathers and 25 all-to-alls a step); gathered here, once per call, it runs none, holding a
+  copy of the weights replicated over ``data`` (``rft-jax plan`` of Qwen2.5-7B GRPO on
+  v5p:2x2x1: the sampler's temporaries 47.3 GiB per chip, 55.6 before)."""
   state = model.state_in_compute_dtype()
   if mesh is None:
     return state

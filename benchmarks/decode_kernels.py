@@ -1,12 +1,15 @@
-"""What one decode step of the sampler launches on a GPU, compiled without one.
+"""What one decode step of the sampler runs on a GPU or TPU, compiled without one.
 
-Compiles the sampler program (:func:`rft_jax.sampling.loop.sample_loop`) of a random bfloat16
-model of a preset's shapes for one GPU of ``--topology`` (deviceless, as ``rft-jax plan`` does:
-needs jax's CUDA plugin, run with ``JAX_PLATFORMS=cpu``), then counts the kernels in each decode
-loop's body of the optimised HLO by kind (fusions by name, library calls, copies) and prints the
-program's memory. A decode step launches one kernel per fusion or library call of its body.
+Compiles the sampler program (:func:`rft_jax.sampling.loop.sample_loop`) of a random model of a
+preset's shapes (bfloat16 compute) for ``--data`` devices of ``--topology`` (deviceless, as
+``rft-jax plan`` does: GPUs need jax's CUDA plugin and ``JAX_PLATFORMS=cpu``, TPUs libtpu), the
+parameters laid out as the learner keeps them (FSDP over ``data``), then counts the kernels in
+each decode loop's body of the optimised HLO by kind (fusions by name, library calls, copies,
+collectives) and prints the program's memory per device. A decode step launches one kernel per
+fusion or library call of its body, and runs each collective in it.
 
-    JAX_PLATFORMS=cpu python benchmarks/gpu_kernels.py --preset 0.5b --batch 64 [--topology h100:1]
+    JAX_PLATFORMS=cpu python benchmarks/decode_kernels.py --preset 0.5b --batch 64 --topology h200:1
+    python benchmarks/decode_kernels.py --preset 0.5b --batch 64 --topology v5p:2x2x1 --data 4
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.sampling import SamplingParams
 from rft_jax.sampling.generate import sampler_rules
 from rft_jax.sampling.loop import LoopSpec, loop_for
-from rft_jax.train.gpu_topology import gpu_topology
+from rft_jax.train.plan import topology
 
 
 def loop_bodies(hlo: str) -> dict[str, collections.Counter]:
@@ -49,7 +52,8 @@ def loop_bodies(hlo: str) -> dict[str, collections.Counter]:
   for body in bodies:
     counts = collections.Counter()
     for line in computations[body]:
-      match = re.match(r"\s*(?:ROOT )?%(\S+) = .*? (fusion|custom-call|copy)\(", line)
+      match = re.match(r"\s*(?:ROOT )?%(\S+) = .*? (fusion|custom-call|copy|all-gather|all-reduce|"
+                       r"all-to-all|reduce-scatter|collective-permute)(?:-start)?\(", line)
       if match:
         counts[re.sub(r"[.\d]+$", "", match.group(1))] += 1
     kernels[body] = counts
@@ -59,13 +63,14 @@ def loop_bodies(hlo: str) -> dict[str, collections.Counter]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_decode_shape_arguments(parser)
-  parser.add_argument("--topology", default="h100:1", help="one GPU: h100:1 or h200:1")
+  parser.add_argument("--topology", default="h100:1", help="h100:1, h200:1, v5p:2x2x1, ...")
+  parser.add_argument("--data", type=int, default=1, help="devices of the mesh (its data axis)")
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="the stored parameters' dtype (the paper's configs: float32)")
   args = parser.parse_args()
-  topo = gpu_topology(args.topology)
-  mesh = make_mesh(data=1, model=1, devices=topo.devices[:1])
+  topo = topology(args.topology)
+  mesh = make_mesh(data=args.data, model=1, devices=topo.devices[:args.data])
   config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
@@ -83,7 +88,8 @@ def main() -> None:
   compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids, spec=spec,
                                   mesh=mesh, rules=sampler_rules()).compile()
   memory = compiled.memory_analysis()
-  print(f"{args.topology} ({topo.devices[0].device_kind}), preset {args.preset}, batch {b}, "
+  print(f"{args.topology} ({topo.devices[0].device_kind}) x {args.data}, preset {args.preset}, "
+        f"batch {b}, "
         f"prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters: compiled in {time.perf_counter() - start:.0f} "
         f"s; arguments {memory.argument_size_in_bytes / 2 ** 30:.2f} GiB, temporaries "
         f"{memory.temp_size_in_bytes / 2 ** 30:.2f} GiB")
