@@ -89,10 +89,10 @@ def main() -> None:
                                   mesh=mesh, rules=sampler_rules()).compile()
   memory = compiled.memory_analysis()
   print(f"{args.topology} ({topo.devices[0].device_kind}) x {args.data}, preset {args.preset}, "
-        f"batch {b}, "
-        f"prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters: compiled in {time.perf_counter() - start:.0f} "
-        f"s; arguments {memory.argument_size_in_bytes / 2 ** 30:.2f} GiB, temporaries "
-        f"{memory.temp_size_in_bytes / 2 ** 30:.2f} GiB")
+        f"batch {b}, prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters: "
+        f"compiled in {time.perf_counter() - start:.0f} s; arguments "
+        f"{memory.argument_size_in_bytes / 2 ** 30:.2f} GiB, temporaries "
+        f"{memory.temp_size_in_bytes / 2 ** 30:.2f} GiB per device")
   for body, counts in loop_bodies(compiled.as_text()).items():
     if sum(counts.values()) < config.num_hidden_layers:
       continue  # not a decode loop (e.g. the key schedule's)

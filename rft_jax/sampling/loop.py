@@ -158,8 +158,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       XLA:CPU compiles one set of per-layer kernels for every layer); None slices at constant
       offsets, which compiles those kernels once per layer. Accelerators slice at constant
       offsets either way: on TPU indexed slices cost memory and save no compile time
-      (``rft-jax plan configs/qwen2_5_7b_grpo.yaml`` on v5p:2x2x1: sampler temporaries
-      56.2 GiB per chip indexed against 55.6 at constant offsets, compiled in 61 s and 62 s).
+      (``rft-jax plan configs/qwen2_5_7b_grpo.yaml`` on v5p:2x2x1, while the loop still
+      gathered its weights at every step: sampler temporaries 56.2 GiB per chip indexed against
+      55.6 at constant offsets, compiled in 61 s and 62 s).
     spec, mesh, rules: static; with a mesh, rows are laid out over its ``data`` axis.
 
   Returns:
@@ -170,7 +171,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   platform = _platform(mesh)
   on_cpu = platform == "cpu"
   if not on_cpu:
-    model = nnx.merge(graphdef, _decode_weights(model, mesh))
+    model = nnx.merge(graphdef, _decode_state(model, mesh))
   b, p = prompt_ids.shape
   n, m = spec.n, spec.max_new_tokens
   rows = ("batch", None)
@@ -181,9 +182,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
   # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels, benchmarks/
-  # decode_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py). GPUs
-  # slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse the
-  # slices into the products and slice in the loop.
+  # decode_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py).
+  # GPUs slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse
+  # the slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
@@ -253,7 +254,7 @@ def loop_for(mesh: Mesh | None):
   return sample_loop_cpu if _on_cpu(mesh) else sample_loop
 
 
-def _decode_weights(model, mesh: Mesh | None) -> nnx.State:
+def _decode_state(model, mesh: Mesh | None) -> nnx.State:
   """The state an accelerator's loop decodes with, made once per call: the matrices in the
   compute dtype (:meth:`~rft_jax.models.Qwen.state_in_compute_dtype`: with the paper's float32
   parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
@@ -273,8 +274,8 @@ def _on_cpu(mesh: Mesh | None) -> bool:
   """Whether the program runs on CPU, where decode steps run feature-major
   (:mod:`rft_jax.models.feature_major`: weight-first products on a transposed copy of the layer
   weights, made once per call and held while it runs); elsewhere they run
-  :meth:`Qwen.decode_step` (on GPUs on a copy of the layers in the compute dtype, made once per
-  call; on TPUs slicing each layer's weights in the loop, holding no copy)."""
+  :meth:`Qwen.decode_step` on the weights of :func:`_decode_state`, made once per call (GPUs
+  also slice its layers apart once; TPUs slice them in the loop)."""
   return _platform(mesh) == "cpu"
 
 
