@@ -19,39 +19,25 @@ import collections
 import re
 import time
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sampler import PRESETS, add_decode_shape_arguments  # benchmarks/ is this script's directory
 from rft_jax.models import Qwen
 from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.sampling import SamplingParams
-from rft_jax.sampling.generate import sampler_rules
-from rft_jax.sampling.loop import LoopSpec, loop_for
-from rft_jax.train.plan import topology
+from rft_jax.sampling.loop import LoopSpec
+from rft_jax.train.plan import compile_sampler_call, topology, while_loop_bodies
 
 
-def loop_bodies(hlo: str) -> dict[str, collections.Counter]:
+def loop_kernels(hlo: str) -> dict[str, collections.Counter]:
   """Kernels of each while loop's body in optimised HLO text: ``{body: Counter(kind: count)}``
   (kinds are instruction names without their numbers: ``gemm_fusion_dot``, ``wrapped_slice``,
   ``loop_add_fusion``, ``copy``, ...)."""
-  computations, current, bodies = {}, None, []
-  for line in hlo.splitlines():
-    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-    if header:
-      current = computations.setdefault(header.group(1), [])
-      continue
-    if line.rstrip() == "}":  # a computation's end (multi-line backend configs have "}}, ...")
-      current = None
-    elif current is not None:
-      current.append(line)
-      bodies += re.findall(r"while\(.*body=%([^,\s]+)", line)
   kernels = {}
-  for body in bodies:
+  for body, lines in while_loop_bodies(hlo).items():
     counts = collections.Counter()
-    for line in computations[body]:
+    for line in lines:
       match = re.match(r"\s*(?:ROOT )?%(\S+) = .*? (fusion|custom-call|copy|all-gather|all-reduce|"
                        r"all-to-all|reduce-scatter|collective-permute)(?:-start)?\(", line)
       if match:
@@ -74,26 +60,17 @@ def main() -> None:
   config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
-  rows = NamedSharding(mesh, PartitionSpec("data"))
-  scalar = NamedSharding(mesh, PartitionSpec())
   b, p = args.batch, args.prompt
-  inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in (
-      ((b, p), jnp.int32), ((b, p), jnp.int32), ((b, 3), jnp.uint32), ((b,), jnp.bool_))]
-  scalars = [jax.ShapeDtypeStruct((), dtype, sharding=scalar)
-             for dtype in (jnp.uint32, jnp.float32, jnp.int32, jnp.float32)]
-  layer_ids = tuple(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
-                    for _ in range(config.num_hidden_layers))  # as layer_indices(L)
   spec = LoopSpec.of(SamplingParams(max_new_tokens=args.new_tokens))
   start = time.perf_counter()
-  compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids, spec=spec,
-                                  mesh=mesh, rules=sampler_rules()).compile()
+  compiled = compile_sampler_call(mesh, graphdef, state, spec, b, p)
   memory = compiled.memory_analysis()
   print(f"{args.topology} ({topo.devices[0].device_kind}) x {args.data}, preset {args.preset}, "
         f"batch {b}, prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters: "
         f"compiled in {time.perf_counter() - start:.0f} s; arguments "
         f"{memory.argument_size_in_bytes / 2 ** 30:.2f} GiB, temporaries "
         f"{memory.temp_size_in_bytes / 2 ** 30:.2f} GiB per device")
-  for body, counts in loop_bodies(compiled.as_text()).items():
+  for body, counts in loop_kernels(compiled.as_text()).items():
     if sum(counts.values()) < config.num_hidden_layers:
       continue  # not a decode loop (e.g. the key schedule's)
     top = ", ".join(f"{name} {n}" for name, n in counts.most_common(args.top))

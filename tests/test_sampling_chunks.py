@@ -10,6 +10,8 @@ between a call of 8 prompts and one of 3. The keys, and so the tokens, do not de
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import re
 
 import numpy as np
@@ -18,9 +20,10 @@ import pytest
 from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
-from rft_jax.sampling import SamplingParams, batch_bucket, generate
+from rft_jax.sampling import SamplingParams, batch_bucket, generate, loop
 from rft_jax.sampling.loop import loop_for
 from rft_jax.train.config import ConfigError, load_config
+from rft_jax.train.plan import while_loop_bodies
 from rft_jax.train.resolve import sampling_params
 
 # Lengths 7, 2, 5, 20, 1, 3, 2: the whole list's width bucket is 24, the first and last slices'
@@ -115,19 +118,10 @@ def test_config_passes_max_rollouts_per_call_to_the_sampler():
 
 def _collectives_in_loops(hlo: str) -> int:
   """All-gathers, all-to-alls and all-reduces in the while loops' bodies of compiled HLO text."""
-  computations, current, bodies = {}, None, []
-  for line in hlo.splitlines():
-    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-    if header:
-      current = computations.setdefault(header.group(1), [])
-    elif line.rstrip() == "}":
-      current = None
-    elif current is not None:
-      current.append(line)
-      bodies += re.findall(r" while\(.*body=%([^,\s]+)", line)
+  bodies = while_loop_bodies(hlo)
   assert bodies
   return sum(bool(re.search(r"= \S+ (all-gather|all-to-all|all-reduce)", line))
-             for body in bodies for line in computations[body])
+             for lines in bodies.values() for line in lines)
 
 
 def test_accelerator_loop_gathers_weights_once_per_call(ckpt, whole, monkeypatch):
@@ -135,10 +129,6 @@ def test_accelerator_loop_gathers_weights_once_per_call(ckpt, whole, monkeypatch
   program gathers them once per call, so its decode loops run no collective at all (the rows
   are split over data, the weights replicated there; gathered in the loop: 4 collectives a
   step here), and it samples what one device does. Run on CPU devices, the platform patched."""
-  import functools
-  import importlib
-
-  from rft_jax.sampling import loop
   generate_module = importlib.import_module("rft_jax.sampling.generate")  # the function's name
 
   monkeypatch.setattr(loop, "_platform", lambda mesh: "tpu")

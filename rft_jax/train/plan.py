@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 
@@ -208,6 +209,19 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   slots = cache_slots(width, s.max_new_tokens)
   rules = sampler_rules()
   cache = abstract_cache(config, batch * s.n, slots, mesh=mesh, rules=rules)  # the last segment's
+  start = time.perf_counter()
+  compiled = compile_sampler_call(mesh, graphdef, state, LoopSpec.of(params), batch, width)
+  report = _memory(compiled, topo.hbm_bytes, resident)
+  report.update(compile_seconds=time.perf_counter() - start,
+                kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
+                rollouts_per_call=batch * s.n, prompt_length=width, cache_slots=slots)
+  return report
+
+
+def compile_sampler_call(mesh, graphdef, state, spec: LoopSpec, batch: int, width: int):
+  """The compiled sampler program (:func:`~rft_jax.sampling.loop.loop_for` the mesh's devices)
+  for ``batch`` prompts of ``width`` tokens, its inputs abstract and laid out as ``generate``
+  lays them out (rows over ``data``, scalars replicated); ``state`` abstract, with shardings."""
   rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
   scalar = NamedSharding(mesh, PartitionSpec())
   inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in (
@@ -215,16 +229,27 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
       ((batch,), jnp.bool_))]
   scalars = [jax.ShapeDtypeStruct((), dtype, sharding=scalar)
              for dtype in (jnp.uint32, jnp.float32, jnp.int32, jnp.float32)]
-  start = time.perf_counter()
+  layers = nnx.merge(graphdef, state).config.num_hidden_layers
   layer_ids = tuple(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
-                    for _ in range(config.num_hidden_layers))  # as layer_indices(L)
-  compiled = loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids,
-                                  spec=LoopSpec.of(params), mesh=mesh, rules=rules).compile()
-  report = _memory(compiled, topo.hbm_bytes, resident)
-  report.update(compile_seconds=time.perf_counter() - start,
-                kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
-                rollouts_per_call=batch * s.n, prompt_length=width, cache_slots=slots)
-  return report
+                    for _ in range(layers))  # as layer_indices(L)
+  return loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids, spec=spec,
+                              mesh=mesh, rules=sampler_rules()).compile()
+
+
+def while_loop_bodies(hlo: str) -> dict[str, list[str]]:
+  """The instruction lines of each while loop's body in compiled HLO text (``as_text()``), by
+  the body computation's name."""
+  computations, current, bodies = {}, None, []
+  for line in hlo.splitlines():
+    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+    if header:
+      current = computations.setdefault(header.group(1), [])
+    elif line.rstrip() == "}":  # a computation's end (multi-line backend configs have "}}, ...")
+      current = None
+    elif current is not None:
+      current.append(line)
+      bodies += re.findall(r" while\(.*body=%([^,\s]+)", line)
+  return {body: computations[body] for body in bodies}
 
 
 def format_report(report: dict[str, Any]) -> str:
