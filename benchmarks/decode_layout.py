@@ -10,7 +10,12 @@ round (same machine load); the table gives milliseconds per step (median, min):
 * ``feature-major``: ``feature_major.decode_step`` with its weights made once, outside the loop
   (``[out, D] x [D, B]`` products, ``[V, B]`` logits, elementwise attention scores);
 * ``feature-major, dot scores``: the same with the scores as a batched matrix product
-  (``attend_cache``), to isolate the attention change.
+  (``attend_cache``), to isolate the attention change;
+* ``feature-major, scores summed term by term``: the scores as 64 products added pairwise (an
+  elementwise fusion, which XLA:CPU splits over the cores; the sum over ``H`` is a reduction,
+  which runs on one);
+* ``feature-major, no attention``: attention replaced by its queries (XLA then drops the cache
+  writes too): the step's cost without attention, to size it.
 
     python benchmarks/decode_layout.py [--model large] [--rows 32] [--slots 176] [--steps 64]
 """
@@ -29,6 +34,7 @@ from flax import nnx
 
 from learner_step import build  # benchmarks/ is this script's directory
 from rft_jax.models import attention, feature_major
+from rft_jax.models.attention import MASKED_SCORE
 
 
 def dot_scores(q, k_cache, v_cache, mask):
@@ -53,6 +59,19 @@ def decode_loop(prepare, step, vocab_axis: int, steps: int):
   return run
 
 
+def pairwise_scores(q, k_cache, v_cache, mask):
+  """``feature_major.attend`` with the scores summed over ``H`` as ``H`` products added pairwise."""
+  terms = [q[:, :, :, i, None] * k_cache[:, :, None, i, :] for i in range(q.shape[-1])]
+  while len(terms) > 1:
+    terms = [terms[i] + terms[i + 1] for i in range(0, len(terms), 2)]
+  scores = jnp.where(mask[:, None, None, :], terms[0] * q.shape[-1] ** -0.5, MASKED_SCORE)
+  return jnp.einsum("bkgs,bksh->bkgh", jax.nn.softmax(scores, axis=-1), v_cache)
+
+
+def no_attention(q, k_cache, v_cache, mask):
+  return q
+
+
 def contenders(steps: int) -> dict:
   """name -> (compiled loop, attention function the feature-major step traces with)."""
   rows = decode_loop(lambda m: m.unstacked_layers(),
@@ -62,7 +81,9 @@ def contenders(steps: int) -> dict:
     return decode_loop(feature_major.decode_weights, feature_major.decode_step, 0, steps)
   return {"row-first": (rows, feature_major.attend),
           "feature-major": (features(), feature_major.attend),
-          "feature-major, dot scores": (features(), dot_scores)}
+          "feature-major, dot scores": (features(), dot_scores),
+          "feature-major, scores summed term by term": (features(), pairwise_scores),
+          "feature-major, no attention": (features(), no_attention)}
 
 
 def main() -> None:
