@@ -32,7 +32,9 @@ from rft_jax.models import Qwen
 from rft_jax.sampling import SamplingParams, generate
 
 
-def summarise(path: str, steps: int, top: int) -> None:
+def summarise(path: str, steps: int, top: int, unit: str = "decode step") -> None:
+  """Prints the trace at ``path`` by GPU stream and by kernel name, per ``unit`` (``steps`` of
+  them in the trace)."""
   profile = jax.profiler.ProfileData.from_file(path)
   by_name = {"kernels": collections.defaultdict(lambda: [0, 0]),  # name -> [count, ns]
              "XLA ops": collections.defaultdict(lambda: [0, 0])}
@@ -46,7 +48,7 @@ def summarise(path: str, steps: int, top: int) -> None:
       busy = sum(e.duration_ns for e in events)
       span = max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)
       print(f"{plane.name} / {line.name}: {len(events)} events ({len(events) / steps:.1f} a "
-            f"step), busy {busy / 1e6:.2f} ms of a {span / 1e6:.2f} ms span ({busy / span:.0%})")
+            f"{unit}), busy {busy / 1e6:.2f} ms of a {span / 1e6:.2f} ms span ({busy / span:.0%})")
       table = ("kernels" if line.name.startswith("Stream") else
                "XLA ops" if line.name.startswith("XLA Ops") else None)
       for e in events if table else ():
@@ -55,8 +57,8 @@ def summarise(path: str, steps: int, top: int) -> None:
         by_name[table][name][1] += e.duration_ns
   for table, counts in by_name.items():
     total = sum(ns for _, ns in counts.values()) or 1
-    print(f"\n{table}: {sum(c for c, _ in counts.values()) / steps:.0f} a step, "
-          f"{total / steps / 1e3:.0f} us a step; top {top} by time (per decode step):")
+    print(f"\n{table}: {sum(c for c, _ in counts.values()) / steps:.0f} a {unit}, "
+          f"{total / steps / 1e3:.0f} us a {unit}; top {top} by time (per {unit}):")
     for name, (count, ns) in sorted(counts.items(), key=lambda kv: -kv[1][1])[:top]:
       print(f"  {name:<60} {count / steps:6.1f} x {ns / count / 1e3:7.1f} us = "
             f"{ns / steps / 1e3:7.1f} us ({ns / total:5.1%})")

@@ -4,7 +4,8 @@
 #             transformers' generate (benchmarks/sampler.py --roofline --transformers);
 #   graphs    the same at 0.5B with XLA's command buffers (CUDA graphs) over while loops too;
 #   profile   where a 0.5B decode step's time goes, by kernel (benchmarks/decode_profile.py);
-#   mfu       the learner's model-FLOPs utilisation at 1.5B (benchmarks/learner_mfu.py);
+#   mfu       the learner's model-FLOPs utilisation at 1.5B and its kernels by time
+#             (benchmarks/learner_mfu.py --profile);
 #   memory    token_stats' peak temporary memory at a real vocabulary (benchmarks/token_stats_memory.py);
 #   learner   the learner's step time with and without the masks (benchmarks/learner_overhead.py);
 #   tests     the single-device tests, run on the GPU (tests of the 8-device fake CPU mesh, of
@@ -39,7 +40,7 @@ for section in "${sections[@]}"; do
       run python3 benchmarks/decode_profile.py --preset 0.5b --batch 64 2>&1 | log decode_profile ;;
     mfu)
       run python3 benchmarks/learner_mfu.py --rows 16 --prompt 256 --completion 768 --micro 16 4 \
-        --repeats 3 2>&1 | log learner_mfu ;;
+        --repeats 3 --profile 2>&1 | log learner_mfu ;;
     memory)
       run python3 benchmarks/token_stats_memory.py 2>&1 | log token_stats_memory ;;
     learner)

@@ -15,19 +15,25 @@ S x S scores, forward and backward). MFU is given against the bfloat16 peak ``--
 (datasheet, dense: H100 SXM and H200 989) and against a measured 8192^3 bfloat16 product.
 
     python benchmarks/learner_mfu.py [--rows 16] [--prompt 256] [--completion 768] [--micro 4 16]
+
+``--profile`` then traces one more step of each setting and prints its GPU kernels by name
+(``benchmarks/decode_profile.py``'s summary, per learner step): where the time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from learner_step import synthetic_batch  # benchmarks/ is this script's directory
+from decode_profile import summarise  # benchmarks/ is this script's directory
+from learner_step import synthetic_batch
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.learner import Learner
@@ -66,6 +72,8 @@ def main() -> None:
   parser.add_argument("--remat", type=int, nargs="+", default=[1], help="1: remat, 0: none")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--peak-tflops", type=float, default=989.0)
+  parser.add_argument("--profile", action="store_true", help="trace one more step, by kernel")
+  parser.add_argument("--top", type=int, default=25, help="kernels listed with --profile")
   args = parser.parse_args()
   measured = matmul_tflops()
   length = args.prompt + args.completion
@@ -99,6 +107,13 @@ def main() -> None:
             f"{min(times) * 1e3:.1f}, first {compile_s:.1f} s), {flops / step / 1e12:6.1f} TFLOP/s model: MFU "
             f"{flops / step / 1e12 / args.peak_tflops:6.1%} of {args.peak_tflops:.0f}, "
             f"{flops / step / 1e12 / measured:6.1%} of the measured product", flush=True)
+      if args.profile:
+        root = tempfile.mkdtemp()
+        with jax.profiler.trace(root):
+          state, _ = learner.step(state, batch)
+          jax.block_until_ready(state.params)
+        summarise(glob.glob(f"{root}/**/*.xplane.pb", recursive=True)[0], 1, args.top,
+                  unit="learner step")
       del state, learner
 
 
