@@ -34,6 +34,7 @@ from flax import nnx
 
 from decode_profile import summarise  # benchmarks/ is this script's directory
 from learner_step import synthetic_batch
+from sampler import median_seconds
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.learner import Learner
@@ -42,14 +43,7 @@ from rft_jax.rl.learner import Learner
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
   """Measured bfloat16 rate of an ``n^3`` product (random operands), TFLOP/s."""
   a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in range(2))
-  product = jax.jit(lambda a, b: a @ b)
-  product(a, b).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    product(a, b).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n ** 3 / statistics.median(times) / 1e12
+  return 2 * n ** 3 / median_seconds(jax.jit(lambda a, b: a @ b), a, b, repeats=repeats) / 1e12
 
 
 def model_flops(config: QwenConfig, rows: int, length: int) -> float:

@@ -176,18 +176,23 @@ def decode_bytes(config: QwenConfig, batch: int, prompt: int, new_tokens: int) -
           "kv_read": batch * slots * kv_per_token}
 
 
+def median_seconds(fn, *args, repeats: int = 10) -> float:
+  """Median wall time of ``fn(*args)`` (a jitted function, waited for) over ``repeats`` calls,
+  after one call that compiles and warms up."""
+  fn(*args).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn(*args).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def copy_gbps(gib: float = 2.0, repeats: int = 10) -> float:
   """Measured device memory bandwidth: bytes read plus written by ``x + 1`` over ``gib`` GiB of
   bfloat16, median of ``repeats`` runs, GB/s."""
   x = jnp.ones((int(gib * 2 ** 30) // 2,), jnp.bfloat16)
-  add = jax.jit(lambda x: x + 1)
-  add(x).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    add(x).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * x.nbytes / statistics.median(times) / 1e9
+  return 2 * x.nbytes / median_seconds(jax.jit(lambda x: x + 1), x, repeats=repeats) / 1e9
 
 
 def torch_copy_gbps(gib: float = 4.0) -> float | None:
