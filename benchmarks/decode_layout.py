@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from learner_step import build  # benchmarks/ is this script's directory
-from rft_jax.models import attention, feature_major
+from rft_jax.models import attention, cpu_attention, feature_major
 from rft_jax.models.attention import MASKED_SCORE
 
 
@@ -73,17 +73,22 @@ def no_attention(q, k_cache, v_cache, mask):
 
 
 def contenders(steps: int) -> dict:
-  """name -> (compiled loop, attention function the feature-major step traces with)."""
+  """name -> compiled loop."""
   rows = decode_loop(lambda m: m.unstacked_layers(),
                      lambda m, layers, tokens, cache: m.decode_step(tokens, cache, layers=layers),
                      -1, steps)
-  def features():
-    return decode_loop(feature_major.decode_weights, feature_major.decode_step, 0, steps)
-  return {"row-first": (rows, feature_major.attend),
-          "feature-major": (features(), feature_major.attend),
-          "feature-major, dot scores": (features(), dot_scores),
-          "feature-major, scores summed term by term": (features(), pairwise_scores),
-          "feature-major, no attention": (features(), no_attention)}
+  def features(attention):
+    return decode_loop(feature_major.decode_weights,
+                       lambda m, w, tokens, cache: feature_major.decode_step(
+                           m, w, tokens, cache, attention=attention), 0, steps)
+  runs = {"row-first": rows,
+          "feature-major": features(feature_major.attend),
+          "feature-major, dot scores": features(dot_scores),
+          "feature-major, scores summed term by term": features(pairwise_scores),
+          "feature-major, no attention": features(no_attention)}
+  if cpu_attention.available():
+    runs["feature-major, attention kernel"] = features(cpu_attention.attend)
+  return runs
 
 
 def main() -> None:
@@ -104,14 +109,11 @@ def main() -> None:
   _, cache = nnx.jit(lambda m, i, c: m.prefill(i, jnp.ones_like(i), c))(model, ids, cache)
   tokens = jnp.asarray(rng.integers(3, vocab, args.rows), jnp.int32)
   runs = contenders(args.steps)
-  attend = feature_major.attend
-  for run, scores in runs.values():  # compile, each with its attention
-    feature_major.attend = scores
+  for run in runs.values():  # compile
     jax.block_until_ready(run(model, tokens, cache))
-  feature_major.attend = attend
   times = {name: [] for name in runs}
   for _ in range(args.rounds):
-    for name, (run, _) in runs.items():
+    for name, run in runs.items():
       start = time.perf_counter()
       jax.block_until_ready(run(model, tokens, cache))
       times[name].append((time.perf_counter() - start) / args.steps * 1e3)

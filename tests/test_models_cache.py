@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import make_tiny_qwen
-from rft_jax.models import KVCache, Qwen, QwenConfig, feature_major, load_hf
+from rft_jax.models import KVCache, Qwen, QwenConfig, cpu_attention, feature_major, load_hf
 
 LENGTHS = (6, 3, 1)
 STEPS = 5
@@ -44,6 +44,14 @@ def test_feature_major_decode_step_equals_decode_step(model):
   logits, elementwise attention scores) equals ``Qwen.decode_step``: logits and every cache field,
   over two steps (the second reads the first one's cache)."""
   _check_feature_major(model)
+
+
+def test_feature_major_decode_step_with_the_attention_kernel_equals_decode_step(model):
+  """The same with the step's attention by the compiled CPU kernel (the sampler's default on one
+  CPU device), which reads only each row's live slots: the left-padded prompts' padding and the
+  slots not yet written are skipped."""
+  assert cpu_attention.available()
+  _check_feature_major(model, attention=cpu_attention.attend)
 
 
 def test_unstacked_layers_at_traced_indices_equal_the_constant_slices(model):
@@ -93,7 +101,7 @@ def test_feature_major_with_output_bias_and_a_bfloat16_cache():
   _check_feature_major(nnx.merge(graphdef, state), cache_dtype=jnp.bfloat16)
 
 
-def _check_feature_major(model, cache_dtype=None):
+def _check_feature_major(model, cache_dtype=None, attention=feature_major.attend):
   prompt, mask = left_padded_batch()
   cache = model.init_cache(len(LENGTHS), MAX_LEN, dtype=cache_dtype)
   _, cache = _prefill(model, jnp.asarray(prompt), jnp.asarray(mask), cache)
@@ -105,7 +113,7 @@ def _check_feature_major(model, cache_dtype=None):
     for tokens in (jnp.asarray([3, 5, 7]), jnp.asarray([11, 2, 9])):
       logits, cache_rows = m.decode_step(tokens, cache[0] if out else cache)
       vocab_major, cache_feat = feature_major.decode_step(m, weights, tokens,
-                                                          cache[1] if out else cache)
+                                                          cache[1] if out else cache, attention)
       out.append((logits, vocab_major))
       cache = (cache_rows, cache_feat)
     return out, cache

@@ -27,7 +27,7 @@ feeding a matrix product is a copy)::
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
@@ -139,8 +139,8 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
   return jnp.einsum("bkgs,bksh->bkgh", probs, v_cache.astype(q.dtype))
 
 
-def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: KVCache
-                ) -> tuple[Float[Array, "V B"], KVCache]:
+def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: KVCache,
+                attention: Callable = attend) -> tuple[Float[Array, "V B"], KVCache]:
   """:meth:`Qwen.decode_step` (one token per row), returning the logits vocabulary-major.
 
   Args:
@@ -148,6 +148,8 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     weights: :func:`decode_weights` of ``model``.
     tokens: ``[B]`` each row's latest token.
     cache: the decode cache; slot ``cache.index`` receives the tokens.
+    attention: :func:`attend`, or what computes the same
+      (:func:`rft_jax.models.cpu_attention.attend`, a compiled kernel).
 
   Returns:
     ``(logits [V, B] float32, cache)``.
@@ -179,7 +181,7 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     v_cache = jax.lax.dynamic_update_slice(
         v_cache, value.transpose(2, 0, 1)[:, :, None].astype(v_cache.dtype),
         (0, 0, cache.index, 0))
-    o = attend(q.reshape(k, n // k, h, -1).transpose(3, 0, 1, 2), k_cache, v_cache, mask)
+    o = attention(q.reshape(k, n // k, h, -1).transpose(3, 0, 1, 2), k_cache, v_cache, mask)
     x = x + layer.o @ o.reshape(o.shape[0], n * h).T  # o: [B, K, G, H]
     if layer.o_bias is not None:
       x = x + layer.o_bias[:, None]

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import feature_major
+from rft_jax.models import cpu_attention, feature_major
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import TP_RULES, Rules, state_shardings, tree_shardings
 from rft_jax.sampling.keys import completion_keys, step_uniforms
@@ -189,6 +189,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
+  attention = _cpu_attention(prompt_cache, mesh) if on_cpu else None
 
   def repeat(x):
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
@@ -212,7 +213,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
 
   def body(s: LoopState) -> LoopState:
     if on_cpu:  # weight-first products, [V, B] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache)
+      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
       vocab_axis = 0
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
@@ -277,6 +278,15 @@ def _on_cpu(mesh: Mesh | None) -> bool:
   :meth:`Qwen.decode_step` on the weights of :func:`_decode_state`, made once per call (GPUs
   also slice its layers apart once; TPUs slice them in the loop)."""
   return _platform(mesh) == "cpu"
+
+
+def _cpu_attention(cache: KVCache, mesh: Mesh | None):
+  """The CPU decode step's attention: the compiled kernel (:mod:`rft_jax.models.cpu_attention`)
+  for a float32 cache on one device, where it is built; else ``feature_major.attend``."""
+  one_device = mesh is None or mesh.devices.size == 1
+  if one_device and cache.dtype == jnp.float32 and cpu_attention.available():
+    return cpu_attention.attend
+  return feature_major.attend
 
 
 def _platform(mesh: Mesh | None) -> str:
