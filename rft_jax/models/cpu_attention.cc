@@ -58,8 +58,8 @@ struct Shapes {
 // scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n:
 // 64 slots at a time, their sums in eight registers (eight independent chains of products)
 // over all H rows of keys. The same slots of ``ahead`` (the next pair's keys) are fetched into
-// the cache meanwhile: reading each pair's keys from memory only when they are needed leaves the
-// core waiting on memory for most of the time.
+// the L2 cache meanwhile: read from memory only when needed, the keys kept the core waiting
+// (a layer of 256 rows: 6.0 ms a call without, 4.7 ms with; fetching into L1 gains nothing).
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
                 const float* ahead, int64_t lo, int64_t n, float* out0, float* out1) {
   int64_t t = 0;
@@ -68,7 +68,7 @@ void scores_two(const Shapes& d, const float* q0, const float* q1, const float* 
     const float* column = keys + lo + t;
     const float* fetch = ahead + lo + t;
     for (int64_t i = 0; i < d.h; ++i, column += d.s, fetch += d.s) {
-      for (int c = 0; c < 64; c += 16) __builtin_prefetch(fetch + c);
+      for (int c = 0; c < 64; c += 16) __builtin_prefetch(fetch + c, 0, 1);
       const f32x16 k0 = load16(column), k1 = load16(column + 16), k2 = load16(column + 32),
                    k3 = load16(column + 48);
       a0 += q0[i] * k0;
@@ -94,7 +94,7 @@ void scores_two(const Shapes& d, const float* q0, const float* q1, const float* 
     const float* column = keys + lo + t;
     const float* fetch = ahead + lo + t;
     for (int64_t i = 0; i < d.h; ++i, column += d.s, fetch += d.s) {
-      __builtin_prefetch(fetch);
+      __builtin_prefetch(fetch, 0, 1);
       const f32x16 k = load16(column);
       a += q0[i] * k;
       b += q1[i] * k;
@@ -158,7 +158,7 @@ void add_values(const Shapes& d, const float* p0, const float* p1, const float* 
   const float* row = values + lo * d.h + i;
   const float* fetch = ahead + lo * d.h + i;
   for (int64_t t = 0; t < n; ++t, row += d.h, fetch += d.h) {
-    for (int c = 0; c < 64; c += 16) __builtin_prefetch(fetch + c);
+    for (int c = 0; c < 64; c += 16) __builtin_prefetch(fetch + c, 0, 1);
     const f32x16 v0 = load16(row), v1 = load16(row + 16), v2 = load16(row + 32),
                  v3 = load16(row + 48);
     a0 += p0[t] * v0;
@@ -226,9 +226,9 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
   }
 }
 
-// The pairs are claimed one at a time from a shared counter by the calling thread and by
-// num_threads - 1 tasks on the pool; the caller then waits only for pairs already claimed, which
-// run on threads that hold them, so a late or never-run task cannot block it.
+// The rows (K pairs each) are claimed one at a time from a shared counter by the calling thread
+// and by num_threads - 1 tasks on the pool; the caller then waits only for rows already claimed,
+// which run on threads that hold them, so a late or never-run task cannot block it.
 struct Work {
   Shapes d;
   const float *q, *k, *v;
@@ -239,10 +239,12 @@ struct Work {
   void run() {
     thread_local std::vector<float> scratch;
     const int64_t pairs = d.b * d.k, kv = d.h * d.s;
-    for (int64_t p = next.fetch_add(1); p < pairs; p = next.fetch_add(1)) {
-      const int64_t ahead = std::min(p + 1, pairs - 1);
-      attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, k + ahead * kv, v + ahead * kv,
-                  mask + p / d.k * d.s, out + p * d.g * d.h, scratch);
+    for (int64_t row = next.fetch_add(1); row < d.b; row = next.fetch_add(1)) {
+      for (int64_t p = row * d.k; p < (row + 1) * d.k; ++p) {
+        const int64_t ahead = std::min(p + 1, pairs - 1);
+        attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, k + ahead * kv,
+                    v + ahead * kv, mask + row * d.s, out + p * d.g * d.h, scratch);
+      }
       finished.fetch_add(1, std::memory_order_release);
     }
   }
@@ -267,11 +269,10 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   work->v = v_cache.typed_data();
   work->mask = mask.typed_data();
   work->out = out->typed_data();
-  const int64_t pairs = d.b * d.k;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), pairs) - 1;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), d.b) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
-  while (work->finished.load(std::memory_order_acquire) < pairs) std::this_thread::yield();
+  while (work->finished.load(std::memory_order_acquire) < d.b) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

@@ -99,8 +99,11 @@ def available() -> bool:
 
 def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
            v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]) -> Float[Array, "B K G H"]:
-  """:func:`~rft_jax.models.feature_major.attend` by the kernel (float32; call :func:`available`
-  first, on a single CPU device: XLA cannot split a custom call over a mesh)."""
+  """:func:`~rft_jax.models.feature_major.attend` by the kernel, in float32, on one CPU device
+  (XLA cannot split a custom call over a mesh); where :func:`available` is False, an error."""
+  if not available():
+    raise RuntimeError("the CPU decode attention kernel is off (RFT_JAX_CPU_ATTENTION=0) or could "
+                       "not be built (the log says why): use feature_major.attend")
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                           vmap_method="sequential")
   out = call(q.astype(jnp.float32), k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), mask)
