@@ -58,8 +58,8 @@ struct Shapes {
 // scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n:
 // 64 slots at a time, their sums in eight registers (eight independent chains of products)
 // over all H rows of keys. The same slots of ``ahead`` (the next pair's keys) are fetched into
-// the L2 cache meanwhile: read from memory only when needed, the keys kept the core waiting
-// (a layer of 256 rows: 6.0 ms a call without, 4.7 ms with; fetching into L1 gains nothing).
+// the L2 cache meanwhile: read from memory only when needed, the keys keep the core waiting
+// (benchmarks/cpu_attention.py times a layer's call).
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
                 const float* ahead, int64_t lo, int64_t n, float* out0, float* out1) {
   int64_t t = 0;

@@ -7,21 +7,24 @@ thread, every cache slot read (live or not, up to the cache's length). On the pe
 (``python benchmarks/decode_layout.py``). The kernel reads each row's cache only from its first
 to its last live slot (a left-padded prompt's padding and the slots not yet written are
 skipped, as a paged cache would), accumulates the scores along contiguous slots, and splits the
-``B x K`` (row, key head) pairs over XLA's intra-op thread pool. Per pair, with ``s`` over the
-live slots::
+rows over XLA's intra-op thread pool. Per (row, key head) pair, with ``s`` over the live
+slots::
 
   scores[g, s] = sum_h q[g, h] k[h, s] / sqrt(H)
   p[g, :]      = softmax(scores[g, :])        # masked slots get probability 0
   out[g, :]    = sum_s p[g, s] v[s, :]
 
 in float32, as ``attend`` does; only the summation order and ``exp`` (a polynomial good to about
-2e-7) differ (``tests/test_cpu_attention.py`` compares them).
+2e-7) differ (``tests/test_cpu_attention.py`` compares them). On that model the decode step's
+attention takes 3.3 ms of 26.1 where ``attend`` takes 7.1 of 29.9 (``python
+benchmarks/decode_layout.py``: 64 steps after 48 prompt slots; ``python
+benchmarks/cpu_attention.py`` times one layer's call).
 
 The kernel is C++ built on first use with the machine's compiler (``c++ -O3 -march=native``)
 into ``$XDG_CACHE_HOME/rft_jax`` (``~/.cache/rft_jax``), keyed by its source, jax's version and
-the CPU, then registered with XLA. Where that fails (no compiler, not x86-64 / ARM Linux or
-macOS) :func:`available` says why once and decoding uses ``attend``; ``RFT_JAX_CPU_ATTENTION=0``
-turns the kernel off (``decode_layout.py`` compares the two).
+the CPU, then registered with XLA. Where that fails (no compiler, or it fails) :func:`available`
+logs why, once, and the sampler uses ``attend``; so it does with ``RFT_JAX_CPU_ATTENTION=0``, and
+on a mesh of several devices (XLA cannot split a custom call over one).
 """
 
 from __future__ import annotations

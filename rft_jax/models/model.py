@@ -20,7 +20,8 @@ Decoding (``cache`` is a :class:`~rft_jax.models.kv_cache.KVCache` pytree)::
   logits, cache = model.decode_step(next_tokens, cache)           # one token per row
 
 A decode loop on CPU runs :mod:`rft_jax.models.feature_major` instead (the same step with
-weight-first products on weights transposed once per loop; ``[V, B]`` logits).
+weight-first products on weights transposed once per loop; ``[V, B]`` logits), its attention by
+a compiled kernel on one device (:mod:`rft_jax.models.cpu_attention`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ One call of :func:`sample_loop`, for ``B`` (bucketed) prompts of (bucketed) leng
 2. for each segment ``j`` with end ``E_j`` (:func:`segment_ends`: doubling, the last is ``M``):
    copy the cache so far into an ``R``-row cache of ``cache_slots(P, E_j)`` slots, then
    ``while step < E_j and not all(done)``: feed each row's last token, draw the next. A decode
-   step reads every slot of its cache, so growing caches keep a step's reads within about twice
-   the live context; once every row is done, the remaining segments run no step.
+   step reads every slot of its cache (on one CPU device, its attention kernel only the live
+   ones), so growing caches keep a step's reads within about twice the live context; once every
+   row is done, the remaining segments run no step.
 
 Every segment's cache is made inside the program by padding the previous one, layer by layer
 (:func:`_grow`): a growth holds the new cache and about one layer of the old one, where writing
