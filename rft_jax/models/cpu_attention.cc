@@ -55,40 +55,45 @@ struct Shapes {
   int64_t b, k, g, h, s;
 };
 
+// out0[0:64] = sum_m w0[m] rows[m * stride : m * stride + 64] for m < count, and out1 with w1:
+// eight registers of sums (eight independent chains of products), each 64-float row read once
+// for both; the same rows of ``ahead`` are fetched into the L2 cache meanwhile (the next pair's:
+// read from memory only when needed, the keys and values keep the core waiting;
+// benchmarks/cpu_attention.py times a layer's call).
+void two_weighted_sums_64(const float* rows, const float* ahead, int64_t stride, int64_t count,
+                          const float* w0, const float* w1, float* out0, float* out1) {
+  f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  for (int64_t m = 0; m < count; ++m, rows += stride, ahead += stride) {
+    for (int c = 0; c < 64; c += 16) __builtin_prefetch(ahead + c, 0, 1);
+    const f32x16 r0 = load16(rows), r1 = load16(rows + 16), r2 = load16(rows + 32),
+                 r3 = load16(rows + 48);
+    a0 += w0[m] * r0;
+    a1 += w0[m] * r1;
+    a2 += w0[m] * r2;
+    a3 += w0[m] * r3;
+    b0 += w1[m] * r0;
+    b1 += w1[m] * r1;
+    b2 += w1[m] * r2;
+    b3 += w1[m] * r3;
+  }
+  store16(out0, a0);
+  store16(out0 + 16, a1);
+  store16(out0 + 32, a2);
+  store16(out0 + 48, a3);
+  store16(out1, b0);
+  store16(out1 + 16, b1);
+  store16(out1 + 32, b2);
+  store16(out1 + 48, b3);
+}
+
 // scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n:
-// 64 slots at a time, their sums in eight registers (eight independent chains of products)
-// over all H rows of keys. The same slots of ``ahead`` (the next pair's keys) are fetched into
-// the L2 cache meanwhile: read from memory only when needed, the keys keep the core waiting
-// (benchmarks/cpu_attention.py times a layer's call).
+// 64 slots at a time over all H rows of keys (``ahead``: the next pair's keys), then 16, then
+// one by one.
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
                 const float* ahead, int64_t lo, int64_t n, float* out0, float* out1) {
   int64_t t = 0;
-  for (; t + 64 <= n; t += 64) {
-    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-    const float* column = keys + lo + t;
-    const float* fetch = ahead + lo + t;
-    for (int64_t i = 0; i < d.h; ++i, column += d.s, fetch += d.s) {
-      for (int c = 0; c < 64; c += 16) __builtin_prefetch(fetch + c, 0, 1);
-      const f32x16 k0 = load16(column), k1 = load16(column + 16), k2 = load16(column + 32),
-                   k3 = load16(column + 48);
-      a0 += q0[i] * k0;
-      a1 += q0[i] * k1;
-      a2 += q0[i] * k2;
-      a3 += q0[i] * k3;
-      b0 += q1[i] * k0;
-      b1 += q1[i] * k1;
-      b2 += q1[i] * k2;
-      b3 += q1[i] * k3;
-    }
-    store16(out0 + t, a0);
-    store16(out0 + t + 16, a1);
-    store16(out0 + t + 32, a2);
-    store16(out0 + t + 48, a3);
-    store16(out1 + t, b0);
-    store16(out1 + t + 16, b1);
-    store16(out1 + t + 32, b2);
-    store16(out1 + t + 48, b3);
-  }
+  for (; t + 64 <= n; t += 64)
+    two_weighted_sums_64(keys + lo + t, ahead + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
   for (; t + 16 <= n; t += 16) {
     f32x16 a = {}, b = {};
     const float* column = keys + lo + t;
@@ -149,37 +154,6 @@ void softmax_live(float* p, const float* live, int64_t padded, float scale) {
   for (int64_t t = 0; t < padded; t += 16) store16(p + t, load16(p + t) * inv);
 }
 
-// out[j, i:i+64] = sum_t p[j, t] values[lo + t, i:i+64] for two queries j (p0, p1 into o0, o1):
-// each value row read once, eight registers of sums; the same rows of ``ahead`` (the next
-// pair's values) fetched meanwhile.
-void add_values(const Shapes& d, const float* p0, const float* p1, const float* values,
-                const float* ahead, int64_t lo, int64_t n, int64_t i, float* o0, float* o1) {
-  f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-  const float* row = values + lo * d.h + i;
-  const float* fetch = ahead + lo * d.h + i;
-  for (int64_t t = 0; t < n; ++t, row += d.h, fetch += d.h) {
-    for (int c = 0; c < 64; c += 16) __builtin_prefetch(fetch + c, 0, 1);
-    const f32x16 v0 = load16(row), v1 = load16(row + 16), v2 = load16(row + 32),
-                 v3 = load16(row + 48);
-    a0 += p0[t] * v0;
-    a1 += p0[t] * v1;
-    a2 += p0[t] * v2;
-    a3 += p0[t] * v3;
-    b0 += p1[t] * v0;
-    b1 += p1[t] * v1;
-    b2 += p1[t] * v2;
-    b3 += p1[t] * v3;
-  }
-  store16(o0 + i, a0);
-  store16(o0 + i + 16, a1);
-  store16(o0 + i + 32, a2);
-  store16(o0 + i + 48, a3);
-  store16(o1 + i, b0);
-  store16(o1 + i + 16, b1);
-  store16(o1 + i + 32, b2);
-  store16(o1 + i + 48, b3);
-}
-
 // Attention of the g queries of one (row, key head) pair: q [g, h], keys [h, s], values [s, h],
 // live [s]; out [g, h]. next_keys, next_values: the pair after it, fetched meanwhile. scratch:
 // the scores of every query, then a live flag per slot.
@@ -213,7 +187,9 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
     const float *p0 = scratch.data() + j * padded, *p1 = scratch.data() + j1 * padded;
     float *o0 = out + j * d.h, *o1 = out + j1 * d.h;
     int64_t i = 0;
-    for (; i + 64 <= d.h; i += 64) add_values(d, p0, p1, values, next_values, lo, n, i, o0, o1);
+    for (; i + 64 <= d.h; i += 64)  // out[j, i:i+64] = sum_t p[j, t] values[lo + t, i:i+64]
+      two_weighted_sums_64(values + lo * d.h + i, next_values + lo * d.h + i, d.h, n, p0, p1,
+                           o0 + i, o1 + i);
     for (; i < d.h; ++i) {
       float a = 0.0f, b = 0.0f;
       for (int64_t t = 0; t < n; ++t) {
