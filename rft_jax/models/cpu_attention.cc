@@ -154,26 +154,39 @@ void softmax_live(float* p, const float* live, int64_t padded, float scale) {
   for (int64_t t = 0; t < padded; t += 16) store16(p + t, load16(p + t) * inv);
 }
 
+// A row's live slots: the span [lo, lo + n) from its first live slot to its last (n = 0: none),
+// and a flag per slot of the span (1 live, 0 not), padded with 0 to a multiple of 16.
+struct LiveSpan {
+  int64_t lo = 0, n = 0, padded = 0;
+  std::vector<float> flags;
+
+  void scan(const bool* live, int64_t s) {
+    lo = 0;
+    while (lo < s && !live[lo]) ++lo;
+    int64_t hi = s - 1;
+    while (hi >= lo && !live[hi]) --hi;
+    n = hi - lo + 1;
+    padded = (n + 15) / 16 * 16;
+    flags.assign(padded, 0.0f);
+    for (int64_t t = 0; t < n; ++t) flags[t] = live[lo + t] ? 1.0f : 0.0f;
+  }
+};
+
 // Attention of the g queries of one (row, key head) pair: q [g, h], keys [h, s], values [s, h],
-// live [s]; out [g, h]. next_keys, next_values: the pair after it, fetched meanwhile. scratch:
-// the scores of every query, then a live flag per slot.
+// over its row's live span; out [g, h]. next_keys, next_values: the pair after it, fetched
+// meanwhile. scratch: the scores of every query.
 void attend_pair(const Shapes& d, const float* q, const float* keys, const float* values,
-                 const float* next_keys, const float* next_values, const bool* live, float* out,
-                 std::vector<float>& scratch) {
-  int64_t lo = 0, hi = d.s - 1;
-  while (lo < d.s && !live[lo]) ++lo;
-  while (hi >= lo && !live[hi]) --hi;
+                 const float* next_keys, const float* next_values, const LiveSpan& span,
+                 float* out, std::vector<float>& scratch) {
   std::fill(out, out + d.g * d.h, 0.0f);
-  if (lo > hi) {  // no live slot (never in decoding): every slot alike, as attend's softmax does
+  if (span.n == 0) {  // no live slot (never in decoding): every slot alike, as attend gives
     for (int64_t t = 0; t < d.s; ++t)
       for (int64_t i = 0; i < d.h; ++i) out[i] += values[t * d.h + i] / static_cast<float>(d.s);
     for (int64_t j = 1; j < d.g; ++j) std::copy(out, out + d.h, out + j * d.h);
     return;
   }
-  const int64_t n = hi - lo + 1, padded = (n + 15) / 16 * 16;
-  scratch.assign((d.g + 1) * padded, 0.0f);
-  float* flags = scratch.data() + d.g * padded;
-  for (int64_t t = 0; t < n; ++t) flags[t] = live[lo + t] ? 1.0f : 0.0f;
+  const int64_t lo = span.lo, n = span.n, padded = span.padded;
+  scratch.assign(d.g * padded, 0.0f);
   for (int64_t j = 0; j < d.g; j += 2) {  // an odd last query is paired with itself
     const int64_t j1 = std::min(j + 1, d.g - 1);
     const float *q0 = q + j * d.h, *q1 = q + j1 * d.h;
@@ -181,7 +194,8 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
     scores_two(d, q0, q1, keys, next_keys, lo, n, s0, s1);
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.h));
-  for (int64_t j = 0; j < d.g; ++j) softmax_live(scratch.data() + j * padded, flags, padded, scale);
+  for (int64_t j = 0; j < d.g; ++j)
+    softmax_live(scratch.data() + j * padded, span.flags.data(), padded, scale);
   for (int64_t j = 0; j < d.g; j += 2) {
     const int64_t j1 = std::min(j + 1, d.g - 1);
     const float *p0 = scratch.data() + j * padded, *p1 = scratch.data() + j1 * padded;
@@ -202,9 +216,10 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
   }
 }
 
-// The rows (K pairs each) are claimed one at a time from a shared counter by the calling thread
-// and by num_threads - 1 tasks on the pool; the caller then waits only for rows already claimed,
-// which run on threads that hold them, so a late or never-run task cannot block it.
+// The rows (K pairs each, one live span) are claimed one at a time from a shared counter by the
+// calling thread and by num_threads - 1 tasks on the pool; the caller then waits only for rows
+// already claimed, which run on threads that hold them, so a late or never-run task cannot block
+// it.
 struct Work {
   Shapes d;
   const float *q, *k, *v;
@@ -214,12 +229,14 @@ struct Work {
 
   void run() {
     thread_local std::vector<float> scratch;
+    thread_local LiveSpan span;
     const int64_t pairs = d.b * d.k, kv = d.h * d.s;
     for (int64_t row = next.fetch_add(1); row < d.b; row = next.fetch_add(1)) {
+      span.scan(mask + row * d.s, d.s);
       for (int64_t p = row * d.k; p < (row + 1) * d.k; ++p) {
         const int64_t ahead = std::min(p + 1, pairs - 1);
         attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, k + ahead * kv,
-                    v + ahead * kv, mask + row * d.s, out + p * d.g * d.h, scratch);
+                    v + ahead * kv, span, out + p * d.g * d.h, scratch);
       }
       finished.fetch_add(1, std::memory_order_release);
     }
