@@ -11,6 +11,18 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "rft_jax needs Python >= 3.11; '$PYTHON' is $("$PYTHON" --version 2>&1)" >&2
   exit 1
 fi
+# A fresh install (jax, torch's CPU build, transformers, ...) takes about 3.2 GiB: with less free,
+# say so in one line now rather than let pip fail half way with "No space left on device".
+NEED_GIB="${RFT_JAX_VENV_MIN_FREE_GIB:-4}"
+if [ ! -f "$VENV/.rft_jax_installed" ]; then
+  PARENT="$(dirname "$VENV")"
+  mkdir -p "$PARENT"
+  FREE_KIB="$(df -Pk "$PARENT" | awk 'NR == 2 {print $4}')"
+  if [ "$FREE_KIB" -lt $((NEED_GIB * 1024 * 1024)) ]; then
+    echo "not enough disk for $VENV: $((FREE_KIB / 1024)) MiB free on $(df -P "$PARENT" | awk 'NR == 2 {print $6}'), installing rft_jax needs about ${NEED_GIB} GiB (RFT_JAX_VENV_MIN_FREE_GIB)" >&2
+    exit 1
+  fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "creating virtual environment in $VENV"
   "$PYTHON" -m venv "$VENV"
