@@ -19,14 +19,16 @@ LOADED = re.compile(r"(\d+) programs loaded from the compilation cache, (\d+) s 
 
 def test_a_resumed_run_loads_the_programs_its_first_process_compiled(tmp_path):
   """Two ``rft-jax train`` processes on one run directory, nothing about caches configured: the
-  first compiles and keeps its programs in RUN_DIR/.jax_cache, the resumed one loads them."""
+  first compiles and keeps its programs in RUN_DIR/.jax_cache, the resumed one loads them and
+  runs them on the 4 x 2 mesh, the entropy-change measurement included (the program that
+  deadlocked when loaded with XLA:CPU's concurrency-optimised scheduler on: conftest.py)."""
   setup = make_loop_files(tmp_path)
   run_dir = tmp_path / "run"
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # keep every program
+  env.pop("JAX_COMPILATION_CACHE_DIR")  # the suite's shared cache (conftest.py)
 
   def train(steps):
-    cmd = ["train", *overrides(setup, run_dir, steps, "eval.every=0", "mesh.data=2", "mesh.model=1",
-                               "learner.forecast_every=0")]
+    cmd = ["train", *overrides(setup, run_dir, steps, "eval.every=0", "learner.forecast_every=1")]
     out = subprocess.run([sys.executable, "-m", "rft_jax.cli", *cmd], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -36,13 +38,20 @@ def test_a_resumed_run_loads_the_programs_its_first_process_compiled(tmp_path):
 
   assert train(1) == 0
   kept = os.listdir(run_dir / ".jax_cache")
-  assert len(kept) >= 2  # at least the sampler and the learner step
-  assert train(2) >= 2  # step 1 compiled nothing that step 0 had not kept
+  assert len(kept) >= 3  # at least the sampler, the learner step and the entropy change
+  assert train(2) >= 3  # step 1 compiled nothing that step 0 had not kept
+
+
+def test_a_run_uses_the_configured_cache_else_the_one_jax_is_told_of_else_its_own(tmp_path):
+  assert run_cache_dir("/r", "") is None and run_cache_dir("/r", "/c") == "/c"
+  with persistent_compilation_cache(None):  # JAX told of no cache: the run's own
+    assert run_cache_dir("/r", None) == "/r/.jax_cache"
+  with persistent_compilation_cache(str(tmp_path / "shared")):  # JAX_COMPILATION_CACHE_DIR, say
+    assert run_cache_dir("/r", None) == str(tmp_path / "shared")
+    assert run_cache_dir("/r", "") is None and run_cache_dir("/r", "/c") == "/c"
 
 
 def test_runs_in_one_process_each_use_their_own_cache(tmp_path):
-  assert run_cache_dir("/r", None) == "/r/.jax_cache"
-  assert run_cache_dir("/r", "") is None and run_cache_dir("/r", "/c") == "/c"
   before = jax.config.jax_compilation_cache_dir
   with persistent_compilation_cache(str(tmp_path / "a"), min_compile_seconds=0) as use:
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a")

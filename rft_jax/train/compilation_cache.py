@@ -1,4 +1,6 @@
-"""JAX's persistent compilation cache for a run, in ``RUN_DIR/.jax_cache`` unless configured.
+"""JAX's persistent compilation cache for a run: in ``compilation_cache_dir`` if configured, else
+in the directory JAX is told of (``JAX_COMPILATION_CACHE_DIR``: one cache for many runs, a
+shared disk on a cluster), else in ``RUN_DIR/.jax_cache``.
 
 A run's first step compiles the sampler (one program per prompt-length and batch bucket) and
 the learner step: seconds on a CPU, minutes for the paper's models on a TPU slice. JAX can keep
@@ -31,10 +33,11 @@ CACHE_DIR_NAME = ".jax_cache"
 
 
 def run_cache_dir(run_dir: str, configured: str | None) -> str | None:
-  """The cache directory of a run: ``configured`` if set, ``RUN_DIR/.jax_cache`` if None, no
-  cache if ''."""
+  """The cache directory of a run: ``configured`` if set; if None, JAX's own
+  ``jax_compilation_cache_dir`` (``JAX_COMPILATION_CACHE_DIR``) where the user set one, else
+  ``RUN_DIR/.jax_cache``; no cache if ''."""
   if configured is None:
-    return os.path.join(run_dir, CACHE_DIR_NAME)
+    return jax.config.jax_compilation_cache_dir or os.path.join(run_dir, CACHE_DIR_NAME)
   return configured or None
 
 

@@ -212,7 +212,8 @@ class TrainConfig:
     progress: show a progress bar.
     compilation_cache_dir: where JAX keeps compiled programs across processes, so that a
       resumed run or a rerun skips the compilations it has seen before (None, the default:
-      ``RUN_DIR/.jax_cache``; '' = off; :mod:`rft_jax.train.compilation_cache`).
+      JAX's ``JAX_COMPILATION_CACHE_DIR`` if set, else ``RUN_DIR/.jax_cache``; '' = off;
+      :mod:`rft_jax.train.compilation_cache`).
     max_nonfinite_steps: the run stops with an error after this many consecutive steps whose
       loss or gradient norm was not finite (each such step is skipped: parameters and
       optimizer state unchanged).
