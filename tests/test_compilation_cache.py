@@ -20,12 +20,13 @@ LOADED = re.compile(r"(\d+) programs loaded from the compilation cache, (\d+) s 
 def test_a_resumed_run_loads_the_programs_its_first_process_compiled(tmp_path):
   """Two ``rft-jax train`` processes on one run directory, nothing about caches configured: the
   first compiles and keeps its programs in RUN_DIR/.jax_cache, the resumed one loads them and
-  runs them on the 4 x 2 mesh, the entropy-change measurement included (the program that
-  deadlocked when loaded with XLA:CPU's concurrency-optimised scheduler on: conftest.py)."""
+  runs them on the 4 x 2 mesh, the entropy-change measurement included. With XLA:CPU's
+  concurrency-optimised scheduler on (its default), that loaded program deadlocks in its
+  collectives and XLA aborts after 40 s (jax 0.10.2); the README's workaround turns it off."""
   setup = make_loop_files(tmp_path)
   run_dir = tmp_path / "run"
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # keep every program
-  env.pop("JAX_COMPILATION_CACHE_DIR")  # the suite's shared cache (conftest.py)
+  env["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 
   def train(steps):
     cmd = ["train", *overrides(setup, run_dir, steps, "eval.every=0", "learner.forecast_every=1")]
