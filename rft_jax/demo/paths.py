@@ -28,9 +28,10 @@ def load_demo_config(config_path: str | None = None, overrides: Sequence[str] = 
 
   * a relative ``model.path`` of the config file read against :data:`REPO_ROOT` (one given as
     an override is relative to the current directory, as everywhere);
-  * the compilation cache in ``RUN_DIR/.jax_cache`` (the file's ``compilation_cache_dir`` is
-    ignored; an override ``compilation_cache_dir=...`` is kept, ``compilation_cache_dir=`` for
-    none).
+  * the compilation cache in ``RUN_DIR/.jax_cache``, or in JAX's ``JAX_COMPILATION_CACHE_DIR``
+    where set (:func:`~rft_jax.train.compilation_cache.run_cache_dir`; the file's
+    ``compilation_cache_dir`` is ignored; an override ``compilation_cache_dir=...`` is kept,
+    ``compilation_cache_dir=`` for none).
   """
   from omegaconf import OmegaConf
 
