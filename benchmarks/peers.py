@@ -54,54 +54,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CHILD_ENV = dict(os.environ)  # the runners' environment
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process's JAX only builds the batch
 
-from peers.contenders import CONTENDERS, Runner  # noqa: E402
+from peers.contenders import CONTENDERS  # noqa: E402
+from peers.driver import measure  # noqa: E402
 from peers.report import WORKS, print_details, print_ratios  # noqa: E402
-from peers.spec import write_spec  # noqa: E402
 
 
-def measure(model: str, root: str, args) -> dict:
-  """``{(contender, work): {"first": s, "runs": [(s, tokens)], "error": str}}`` for one model."""
-  spec = write_spec(model, os.path.join(root, model), threads=args.threads)
-  results = {}
-  runners = {}
-  for name in ["rft_jax", *args.peers]:
-    works = [w for w in args.work if w in CONTENDERS[name].works]
-    if not works:
-      continue
-    runner = Runner(name, spec, args.venvs, os.path.join(root, f"{model}-{name}.log"), CHILD_ENV)
-    print(f"[{model}] {name}: {runner.describe()}", flush=True)
-    for w in works:
-      results[name, w] = {"runs": [], "error": runner.error}
-    runners[name] = runner
-  for work in args.work:
-    active = [n for n in runners if (n, work) in results and not results[n, work]["error"]]
-    for name in active:  # first call: compile; second: warm-up (tunix recompiles once more)
-      out = runners[name].run(work, seed=0)
-      results[name, work].update(first=out.get("seconds"), error=out.get("error"))
-      if not results[name, work]["error"]:
-        results[name, work]["error"] = runners[name].run(work, seed=10**6).get("error")
-    for r in range(args.rounds):
-      for name in active:
-        if results[name, work]["error"]:
-          continue
-        out = runners[name].run(work, seed=r + 1)
-        if "error" in out:
-          results[name, work]["error"] = out["error"]
-        else:
-          results[name, work]["runs"].append((out["seconds"], out["tokens"]))
-      print(f"[{model}] {work} round {r + 1}/{args.rounds} done", flush=True)
-  for runner in runners.values():
-    runner.close()
-  return results
+PEERS = ("transformers", "vllm", "tunix", "trl")
+FIXED_WORKS = WORKS[:3]  # rollout, learner, e2e (benchmarks/longtail.py runs the others)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", choices=("small", "large"), default=["small", "large"])
   parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--peers", nargs="+", choices=[c for c in CONTENDERS if c != "rft_jax"],
-                      default=[c for c in CONTENDERS if c != "rft_jax"])
-  parser.add_argument("--work", nargs="+", choices=WORKS, default=list(WORKS))
+  parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+  parser.add_argument("--work", nargs="+", choices=FIXED_WORKS, default=list(FIXED_WORKS))
   parser.add_argument("--venvs", default=os.environ.get("PEER_VENVS", "/work/peer_venvs"),
                       help="where peers_setup.sh built the peers' virtualenvs")
   parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -115,7 +82,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     root = args.keep or tmp
     for model in args.models:
-      results[model] = measure(model, root, args)
+      results[model] = measure(model, root, args, CHILD_ENV)
       print_details(model, results[model])
       with open(os.path.join(root, f"{model}-results.json"), "w") as f:  # kept with --keep
         json.dump([[*key, value] for key, value in results[model].items()], f)

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh
 
 from rft_jax.models import KVCache, cpu_attention, feature_major
-from rft_jax.sampling.loop import _cpu_attention
+from rft_jax.sampling.loop import cpu_attention_for
 
 # (B, K, G, H, S): paired and odd query heads; H a multiple of 64, with a remainder, below 64;
 # slot counts around the kernel's 16- and 64-slot tiles.
@@ -91,7 +91,7 @@ def test_off_or_unbuildable_falls_back_with_one_line(monkeypatch, tmp_path, capl
       m.setenv("RFT_JAX_CPU_ATTENTION", "0")
       cpu_attention.available.cache_clear()
       assert not cpu_attention.available()
-      assert _cpu_attention(cache, None) is feature_major.attend
+      assert cpu_attention_for(cache, None) is feature_major.attend
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
       m.setenv("CXX", "false")
       m.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -112,9 +112,9 @@ def test_the_sampler_uses_the_kernel_for_a_float32_cache_on_one_device():
                    slot_mask=jnp.zeros((2, 8), bool), positions=jnp.zeros(2, jnp.int32),
                    index=jnp.int32(0))
   one = Mesh(np.asarray(jax.devices()[:1]), ("data",))
-  assert _cpu_attention(cache(jnp.float32), None) is cpu_attention.attend
-  assert _cpu_attention(cache(jnp.float32), one) is cpu_attention.attend
-  assert _cpu_attention(cache(jnp.bfloat16), None) is feature_major.attend
+  assert cpu_attention_for(cache(jnp.float32), None) is cpu_attention.attend
+  assert cpu_attention_for(cache(jnp.float32), one) is cpu_attention.attend
+  assert cpu_attention_for(cache(jnp.bfloat16), None) is feature_major.attend
   if len(jax.devices()) > 1:
     two = Mesh(np.asarray(jax.devices()[:2]), ("data",))
-    assert _cpu_attention(cache(jnp.float32), two) is feature_major.attend
+    assert cpu_attention_for(cache(jnp.float32), two) is feature_major.attend

@@ -17,7 +17,8 @@ from flax import nnx
 from hf_fixtures import hf_model, make_tiny_qwen
 from rft_jax.models import Qwen, QwenConfig, load_hf
 from rft_jax.sampling import SamplingParams, generate, learner_arrays, prompt_fingerprints
-from rft_jax.sampling import loop
+from rft_jax.sampling import continuous, loop
+from rft_jax.sampling.generate import program_for
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for, segment_ends
 
 VOCAB = 128
@@ -216,7 +217,8 @@ def _layer_slices_in_loops(jaxpr, num_layers: int, inside: bool = False) -> int:
   return count
 
 
-def test_gpu_program_decodes_on_layers_sliced_once(monkeypatch):
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_gpu_program_decodes_on_layers_sliced_once(monkeypatch, scheduler):
   """XLA:GPU copies a sliced weight before a matrix product, so the GPU program slices the
   layers (cast to the compute dtype) once per call, outside its decode loops, where the TPU
   program slices them in the loop; both programs (run here on CPU) sample the same tokens."""
@@ -224,20 +226,26 @@ def test_gpu_program_decodes_on_layers_sliced_once(monkeypatch):
                       dtype=jnp.bfloat16, param_dtype=jnp.float32)
   bf16_model = Qwen(config, rngs=nnx.Rngs(3))
   graphdef, state = nnx.split(bf16_model)
-  spec = LoopSpec.of(SamplingParams(max_new_tokens=40, min_segment_tokens=16))  # two loops
+  params = SamplingParams(max_new_tokens=40, min_segment_tokens=16, scheduler=scheduler,
+                          decode_slots=2)  # two loops: two segments, or a pool of 4 -> 2 slots
+  if scheduler == "static":
+    program, spec = loop._sample_loop, LoopSpec.of(params)
+  else:
+    program, spec = continuous._sample_pool, continuous.PoolSpec.of(params, 4)
   rows = np.ones((4, 8), np.int32)
   args = (state, rows, rows, np.zeros((4, 3), np.uint32), np.ones(4, bool), np.uint32(0),
           np.float32(1), np.int32(0), np.float32(1), layer_indices(3))
   outputs = {}
+  nucleus = dataclasses.replace(NUCLEUS, scheduler=scheduler)
   for platform in ("tpu", "gpu"):
-    monkeypatch.setattr(loop, "_platform", lambda mesh, platform=platform: platform)
-    jaxpr = jax.make_jaxpr(functools.partial(loop._sample_loop, graphdef, spec=spec, mesh=None,
+    monkeypatch.setattr(loop, "platform_of", lambda mesh, platform=platform: platform)
+    jaxpr = jax.make_jaxpr(functools.partial(program, graphdef, spec=spec, mesh=None,
                                              rules=None))(*args)
     slices = _layer_slices_in_loops(jaxpr.jaxpr, num_layers=3)
     assert (slices == 0) == (platform == "gpu"), (platform, slices)
-    loop.sample_loop.clear_cache()
-    outputs[platform] = generate(bf16_model, PROMPTS, NUCLEUS, seed=9)
-  loop.sample_loop.clear_cache()
+    program_for(nucleus, None).clear_cache()
+    outputs[platform] = generate(bf16_model, PROMPTS, nucleus, seed=9)
+  program_for(nucleus, None).clear_cache()
   np.testing.assert_array_equal(outputs["gpu"].completion_ids, outputs["tpu"].completion_ids)
   np.testing.assert_allclose(outputs["gpu"].logprobs, outputs["tpu"].logprobs, atol=1e-5)
 
@@ -269,13 +277,14 @@ def test_same_seed_same_outputs_whatever_the_prompt_order(model):
 
 def test_batches_of_one_bucket_compile_one_program(model):
   generate(model, PROMPTS, NUCLEUS, seed=0)  # bucket (4 prompts, 16 tokens)
-  before = loop_for(None)._cache_size()
+  program = program_for(NUCLEUS, None)
+  before = program._cache_size()
   compositions = [PROMPTS[:3], [[9] * 16, [3, 4], [77] * 11], PROMPTS[::-1]]
   for i, prompts in enumerate(compositions):
     generate(model, prompts, dataclasses.replace(NUCLEUS, temperature=0.5 + i / 4), seed=i)
-  assert loop_for(None)._cache_size() == before
+  assert program._cache_size() == before
   generate(model, [[5] * 17, [1]], NUCLEUS, seed=0)  # a new bucket: (2, 32)
-  assert loop_for(None)._cache_size() == before + 1
+  assert program._cache_size() == before + 1
 
 
 def _distinct_fusions(layers: int) -> int:

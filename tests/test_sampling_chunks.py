@@ -20,8 +20,8 @@ import pytest
 from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
-from rft_jax.sampling import SamplingParams, batch_bucket, generate, loop
-from rft_jax.sampling.loop import loop_for
+from rft_jax.sampling import SamplingParams, batch_bucket, continuous, generate, loop
+from rft_jax.sampling.generate import program_for
 from rft_jax.train.config import ConfigError, load_config
 from rft_jax.train.plan import while_loop_bodies
 from rft_jax.train.resolve import sampling_params
@@ -59,9 +59,9 @@ def _assert_same(a, b, *, exact: bool):
 def test_slices_equal_one_call_and_compile_once(ckpt, whole):
   model = load_hf(ckpt)
   assert set(whole.finish_reason) == {"stop", "length"}
-  before = loop_for(None)._cache_size()
+  before = program_for(PARAMS, None)._cache_size()
   sliced = generate(model, PROMPTS, SLICED, seed=3)
-  assert loop_for(None)._cache_size() == before + 1  # three calls, one program
+  assert program_for(PARAMS, None)._cache_size() == before + 1  # three calls, one program
   _assert_same(sliced, whole, exact=False)
   assert sliced.prompt_ids.shape == (7, 24)  # the whole list's width, in every slice
   groups = sliced.completion_ids.reshape(len(PROMPTS), PARAMS.n, -1)
@@ -74,17 +74,17 @@ def test_slices_equal_one_call_and_compile_once(ckpt, whole):
     np.testing.assert_array_equal(getattr(first_two, field), getattr(sliced, field)[:12],
                                   err_msg=field)
   generate(model, PROMPTS[:5], dataclasses.replace(SLICED, temperature=0.6), seed=9)
-  assert loop_for(None)._cache_size() == before + 1
+  assert program_for(PARAMS, None)._cache_size() == before + 1
 
 
 def test_slices_on_a_mesh_equal_one_call(ckpt, whole):
   mesh = make_mesh(data=4, model=2)
   model = load_hf(ckpt, mesh=mesh)
-  before = loop_for(None)._cache_size()
+  before = program_for(PARAMS, None)._cache_size()
   # 4 prompts a call (one per data shard), two calls: the last holds 3 and a dummy.
   sliced = generate(model, PROMPTS, dataclasses.replace(PARAMS, max_rollouts_per_call=9),
                     seed=3, mesh=mesh)
-  assert loop_for(None)._cache_size() == before + 1
+  assert program_for(PARAMS, None)._cache_size() == before + 1
   _assert_same(sliced, whole, exact=False)
 
 
@@ -116,34 +116,46 @@ def test_config_passes_max_rollouts_per_call_to_the_sampler():
     load_config(None, required + ["sampling.max_rollouts_per_call=8"])
 
 
-def _collectives_in_loops(hlo: str) -> int:
-  """All-gathers, all-to-alls and all-reduces in the while loops' bodies of compiled HLO text."""
+def _collectives_in_loops(hlo: str, larger_than: int = 0) -> int:
+  """All-gathers, all-to-alls and all-reduces in the while loops' bodies of compiled HLO text
+  whose result has more than ``larger_than`` elements."""
   bodies = while_loop_bodies(hlo)
   assert bodies
-  return sum(bool(re.search(r"= \S+ (all-gather|all-to-all|all-reduce)", line))
-             for lines in bodies.values() for line in lines)
+  sizes = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+           for lines in bodies.values() for line in lines
+           for m in [re.search(r"= \w+\[([\d,]*)\]\S* (all-gather|all-to-all|all-reduce)", line)]
+           if m]
+  return sum(size > larger_than for size in sizes)
 
 
-def test_accelerator_loop_gathers_weights_once_per_call(ckpt, whole, monkeypatch):
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_accelerator_loop_gathers_weights_once_per_call(ckpt, whole, monkeypatch, scheduler):
   """On a data mesh the parameters are FSDP-sharded over data; the accelerator (TPU, GPU)
-  program gathers them once per call, so its decode loops run no collective at all (the rows
-  are split over data, the weights replicated there; gathered in the loop: 4 collectives a
-  step here), and it samples what one device does. Run on CPU devices, the platform patched."""
+  program gathers them once per call, so its decode loops gather no weight (the rows are split
+  over data, the weights replicated there; gathered in the loop: 4 collectives a step here),
+  and it samples what one device does. Run on CPU devices, the platform patched. The static
+  loop runs no collective at all; continuous batching's loop exchanges only its slots' control
+  values (which sample, which step: at most 2 per slot), never weights or cache rows."""
   generate_module = importlib.import_module("rft_jax.sampling.generate")  # the function's name
 
-  monkeypatch.setattr(loop, "_platform", lambda mesh: "tpu")
+  monkeypatch.setattr(loop, "platform_of", lambda mesh: "tpu")
+  params = dataclasses.replace(PARAMS, scheduler=scheduler)
+  program = continuous.sample_pool if scheduler == "continuous" else loop.sample_loop
   lowered = []
 
   def recording(*args, **kwargs):
-    lowered.append(functools.partial(loop.sample_loop.lower, *args, **kwargs))
-    return loop.sample_loop(*args, **kwargs)
+    lowered.append(functools.partial(program.lower, *args, **kwargs))
+    return program(*args, **kwargs)
 
-  monkeypatch.setattr(generate_module, "loop_for", lambda mesh: recording)
-  loop.sample_loop.clear_cache()
+  monkeypatch.setattr(generate_module, "program_for", lambda params, mesh: recording)
+  program.clear_cache()
   mesh = make_mesh(data=8, model=1)
-  on_mesh = generate(load_hf(ckpt, mesh=mesh), PROMPTS, PARAMS, seed=3, mesh=mesh)
-  assert _collectives_in_loops(lowered[-1]().compile().as_text()) == 0
-  one_device = generate(load_hf(ckpt), PROMPTS, PARAMS, seed=3)
-  loop.sample_loop.clear_cache()
+  on_mesh = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
+  hlo = lowered[-1]().compile().as_text()
+  slots = continuous.pool_sizes(len(PROMPTS) * params.n, params.decode_slots, 1, data=8)[0]
+  assert _collectives_in_loops(hlo, larger_than=0 if scheduler == "static" else 2 * slots) == 0
+  assert _collectives_in_loops(hlo) == 0 or scheduler == "continuous"
+  one_device = generate(load_hf(ckpt), PROMPTS, params, seed=3)
+  program.clear_cache()
   _assert_same(on_mesh, one_device, exact=False)
   _assert_same(on_mesh, whole, exact=False)  # and what the CPU program samples

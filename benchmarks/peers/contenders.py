@@ -19,12 +19,18 @@ class Contender:
   venv: str | None  # under --venvs; None: this interpreter (rft_jax's virtualenv)
   works: tuple[str, ...]
   label: str
+  env: tuple[tuple[str, str], ...] = ()  # set in the runner's environment
 
 
+LONGTAIL_WORKS = ("longtail_128", "longtail_512")
 CONTENDERS = {
-    "rft_jax": Contender("rft_runner.py", None, ("rollout", "learner", "e2e"), "rft_jax"),
+    "rft_jax": Contender("rft_runner.py", None, ("rollout", "learner", "e2e", *LONGTAIL_WORKS),
+                         "rft_jax"),
+    # rft_jax's sampler as it was before continuous batching (benchmarks/longtail.py's "before")
+    "rft_jax_static": Contender("rft_runner.py", None, ("rollout", *LONGTAIL_WORKS),
+                                "rft_jax static", (("RFT_JAX_BENCH_SCHEDULER", "static"),)),
     "transformers": Contender("hf_runner.py", "hf", ("rollout",), "transformers"),
-    "vllm": Contender("vllm_runner.py", "vllm", ("rollout",), "vLLM-CPU"),
+    "vllm": Contender("vllm_runner.py", "vllm", ("rollout", *LONGTAIL_WORKS), "vLLM-CPU"),
     "tunix": Contender("tunix_runner.py", "tunix", ("rollout", "learner", "e2e"), "google-tunix"),
     "trl": Contender("trl_runner.py", "trl", ("learner", "e2e"), "TRL"),
 }
@@ -45,7 +51,7 @@ class Runner:
     if not os.path.exists(python):
       self.error = f"not installed: no {python} (run benchmarks/peers_setup.sh)"
       return
-    env = dict(env, PYTHONUNBUFFERED="1")
+    env = dict(env, PYTHONUNBUFFERED="1", **dict(c.env))
     with open(log, "w") as err:
       self.proc = subprocess.Popen([python, os.path.join(HERE, c.runner), spec],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,

@@ -6,12 +6,14 @@ import statistics
 
 from peers.contenders import CONTENDERS
 
-WORKS = ("rollout", "learner", "e2e")
+WORKS = ("rollout", "learner", "e2e", "longtail_128", "longtail_512")
+ROLLOUT_WORKS = ("rollout", "longtail_128", "longtail_512")
 
 
 def per_token(runs: list, work: str) -> list[float]:
-  """Seconds per run; per generated token for rollouts (contenders may stop rows early)."""
-  return [s / t if work == "rollout" and t else s for s, t in runs]
+  """Seconds per run; per generated token for rollouts (contenders may stop rows early, and
+  long-tailed rollouts draw their lengths)."""
+  return [s / t if work in ROLLOUT_WORKS and t else s for s, t in runs]
 
 
 def print_details(model: str, results: dict) -> None:

@@ -6,6 +6,9 @@ learner: ``Learner.step`` on the saved batch: one update (LearnerConfig defaults
   statistics computed, no entropy mask, no forecast), metrics read back.
 e2e: ``generate`` 8 prompts x 4 samples from the current parameters, rewards and group
   advantages on the host, ``learner_arrays``, ``Learner.step``.
+longtail_128 / longtail_512: ``generate`` of the spec's long-tailed work (``peers.spec.LONGTAIL``:
+  n = 8 samples a prompt, its stop tokens), with the spec's ``scheduler`` and ``decode_slots``
+  (``RFT_JAX_BENCH_SCHEDULER`` in the environment overrides the scheduler).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ def setup(spec: dict) -> dict:
   config = LearnerConfig(lr=spec["lr"], forecast_every=0, temperature=spec["temperature"])
   learner = Learner(model, config)
   state = {"train": learner.init(model)}
-  rollout_params = SamplingParams(n=1, temperature=spec["temperature"],
-                                  max_new_tokens=spec["new_tokens"])
-  group_params = SamplingParams(n=spec["group_size"], temperature=spec["temperature"],
-                                max_new_tokens=spec["new_tokens"])
+  scheduler = os.environ.get("RFT_JAX_BENCH_SCHEDULER", spec["scheduler"])
+  sampler = dict(temperature=spec["temperature"], scheduler=scheduler,
+                 decode_slots=spec["decode_slots"])
+  rollout_params = SamplingParams(n=1, max_new_tokens=spec["new_tokens"], **sampler)
+  group_params = SamplingParams(n=spec["group_size"], max_new_tokens=spec["new_tokens"], **sampler)
   arrays = load_batch(spec["batch"])
   batch = LearnerBatch(**{k: jnp.asarray(v) for k, v in arrays.items()})
 
@@ -59,7 +63,17 @@ def setup(spec: dict) -> dict:
     jax.block_until_ready(state["train"].params)
     return int(out.completion_lengths.sum())
 
-  return {"rollout": rollout, "learner": learner_step, "e2e": e2e}
+  def longtail(work: dict):
+    params = SamplingParams(n=work["n"], max_new_tokens=work["new_tokens"],
+                            stop_token_ids=tuple(spec["stop_token_ids"]), **sampler)
+
+    def run(seed: int) -> int:
+      out = generate(learner.model(state["train"]), work["prompts"], params, seed=seed)
+      return int(out.completion_lengths.sum())
+    return run
+
+  return {"rollout": rollout, "learner": learner_step, "e2e": e2e,
+          **{name: longtail(work) for name, work in spec["longtail"].items()}}
 
 
 if __name__ == "__main__":

@@ -51,8 +51,24 @@ def prompts(count: int, vocab: int, seed: int, lo: int = 16, hi: int = 48) -> li
   return [rng.integers(3, vocab, rng.integers(lo, hi + 1)).tolist() for _ in range(count)]
 
 
-def write_spec(model: str, root: str, threads: int) -> str:
-  """Writes the checkpoint, batch and spec under ``root``; returns the spec's path."""
+# Long-tailed rollouts (benchmarks/longtail.py): work -> (prompts, samples each, most new tokens).
+LONGTAIL = {"longtail_128": (16, 8, 1024), "longtail_512": (64, 8, 512)}
+STOP_EVERY = 200  # a near-uniform random model emits one of vocab / 200 stop ids once in ~200 steps
+
+
+def stop_token_ids(vocab: int) -> list[int]:
+  """The long-tailed works' stop tokens: ``vocab / STOP_EVERY`` ids from EOS on, so that a row of
+  a random model (whose next-token distribution is nearly uniform) stops at each step with
+  probability about ``1 / STOP_EVERY``: completion lengths about geometric, mean ~200, a few
+  reaching the limit, as RL rollouts are."""
+  return list(range(EOS, EOS + vocab // STOP_EVERY))
+
+
+def write_spec(model: str, root: str, threads: int, longtail: bool = False,
+               scheduler: str = "continuous", decode_slots: int | None = None) -> str:
+  """Writes the checkpoint, batch and spec under ``root``; returns the spec's path.
+  ``longtail``: with the long-tailed works (:data:`LONGTAIL`); ``scheduler`` and
+  ``decode_slots``: rft_jax's sampler settings (``SamplingParams``)."""
   os.makedirs(root, exist_ok=True)
   checkpoint = os.path.join(root, "checkpoint")
   build_checkpoint(checkpoint, model)
@@ -65,7 +81,11 @@ def write_spec(model: str, root: str, threads: int) -> str:
   spec = {"model": model, "checkpoint": checkpoint, "vocab_size": vocab, "batch": batch_path,
           "rollout_prompts": prompts(ROLLOUT_PROMPTS, vocab, seed=0),
           "group_prompts": prompts(GROUPS, vocab, seed=1), "group_size": GROUP_SIZE,
-          "new_tokens": NEW_TOKENS, "temperature": 1.0, "lr": 1e-5, "threads": threads}
+          "new_tokens": NEW_TOKENS, "temperature": 1.0, "lr": 1e-5, "threads": threads,
+          "longtail": {work: {"prompts": prompts(count, vocab, seed=2 + i), "n": n, "new_tokens": new}
+                       for i, (work, (count, n, new)) in enumerate(LONGTAIL.items()) if longtail},
+          "stop_token_ids": stop_token_ids(vocab), "scheduler": scheduler,
+          "decode_slots": decode_slots}
   path = os.path.join(root, "spec.json")
   with open(path, "w") as f:
     json.dump(spec, f)

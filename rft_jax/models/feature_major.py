@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.attention import MASKED_SCORE
-from rft_jax.models.kv_cache import KVCache
+from rft_jax.models.kv_cache import KVCache, query_slots, visible_slots, write_slots
 from rft_jax.models.layers import rms_norm, rotate
 
 
@@ -151,7 +151,7 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     model: the :class:`~rft_jax.models.Qwen` (its config and RoPE tables).
     weights: :func:`decode_weights` of ``model``.
     tokens: ``[B]`` each row's latest token.
-    cache: the decode cache; slot ``cache.index`` receives the tokens.
+    cache: the decode cache; slot ``cache.index`` (shared or per row) receives the tokens.
     attention: :func:`attend`, or what computes the same
       (:func:`rft_jax.models.cpu_attention.attend`, a compiled kernel).
 
@@ -161,10 +161,10 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
   c = model.config
   dtype, eps = c.dtype, c.rms_norm_eps
   n, k, h = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+  b = tokens.shape[0]
   slots = jnp.arange(cache.max_len)
-  slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((tokens.shape[0], 1), bool),
-                                           (0, cache.index))
-  mask = (slots <= cache.index)[None] & slot_mask  # [B, S]
+  slot_mask = write_slots(cache.slot_mask, jnp.ones((b, 1), bool), cache.index, axis=1)
+  mask = visible_slots(slot_mask, query_slots(cache.index, b, 1))[:, 0]  # [B, S]
   # RoPE at each row's position, [H, B]: from the tables of every slot, computed once per loop.
   tables = model.rope(slots[None])  # [1, S, 1, H] each
   cos, sin = (jnp.take(t[0, :, 0], cache.positions, axis=0, mode="clip").T for t in tables)
@@ -180,11 +180,8 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     if layer.q_norm is not None:
       q, key = rms_norm(q, layer.q_norm, eps, axis=1), rms_norm(key, layer.k_norm, eps, axis=1)
     q, key = rotate(q, cos, sin, axis=1), rotate(key, cos, sin, axis=1)
-    k_cache = jax.lax.dynamic_update_slice(
-        k_cache, key.transpose(2, 0, 1)[..., None].astype(k_cache.dtype), (0, 0, 0, cache.index))
-    v_cache = jax.lax.dynamic_update_slice(
-        v_cache, value.transpose(2, 0, 1)[:, :, None].astype(v_cache.dtype),
-        (0, 0, cache.index, 0))
+    k_cache = write_slots(k_cache, key.transpose(2, 0, 1)[..., None], cache.index, axis=3)
+    v_cache = write_slots(v_cache, value.transpose(2, 0, 1)[:, :, None], cache.index, axis=2)
     o = attention(q.reshape(k, n // k, h, -1).transpose(3, 0, 1, 2), k_cache, v_cache, mask)
     x = x + layer.o @ o.reshape(o.shape[0], n * h).T  # o: [B, K, G, H]
     if layer.o_bias is not None:

@@ -37,7 +37,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.attention import Attention, attend, attend_cache, causal_self_attention
 from rft_jax.models.config import QwenConfig
-from rft_jax.models.kv_cache import KVCache, init_cache
+from rft_jax.models.kv_cache import (KVCache, init_cache, query_slots, visible_slots,
+                                     write_slots)
 from rft_jax.models.layers import MLP, RMSNorm, normal_init, param, rope_cos_sin
 
 
@@ -94,19 +95,18 @@ class DecoderLayer(nnx.Module):
 
   def extend(self, x: Float[Array, "B T D"], rope: Rope, mask: Bool[Array, "B T S"],
              k_cache: Float[Array, "B K H S"], v_cache: Float[Array, "B K S H"],
-             index: Int[Array, ""]):
+             index: Int[Array, ""] | Int[Array, "B"]):
     """One layer on T new tokens: writes their keys/values at slots ``[index, index + T)`` of
-    this layer's cache, then attends to the cache (``mask``: which slots each query sees;
-    ``rope``: :meth:`Qwen.rope` of the tokens' positions, shared by the layers).
+    this layer's cache (``index``: shared, or ``[B]`` one per row), then attends to the cache
+    (``mask``: which slots each query sees; ``rope``: :meth:`Qwen.rope` of the tokens'
+    positions, shared by the layers).
 
     Returns:
       ``(x, k_cache, v_cache)``.
     """
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
-    k_cache = jax.lax.dynamic_update_slice(
-        k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index))
-    v_cache = jax.lax.dynamic_update_slice(
-        v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0))
+    k_cache = write_slots(k_cache, k.transpose(0, 2, 3, 1), index, axis=3)
+    v_cache = write_slots(v_cache, v.transpose(0, 2, 1, 3), index, axis=2)
     o = attend_cache(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     return self._residual(x, o), k_cache, v_cache
 
@@ -276,22 +276,20 @@ class Qwen(nnx.Module):
              ) -> tuple[Float[Array, "B T D"], KVCache]:
     """Appends T slots to every row and returns their final hidden states.
 
-    Slot ``cache.index + t`` of row ``b`` holds ``input_ids[b, t]`` if ``token_mask[b, t]``,
-    else padding. Each query attends to the real tokens in slots up to its own. The caller keeps
-    ``cache.index + T <= cache.max_len`` (the write is clamped otherwise). ``layers``: this
-    model's :meth:`unstacked_layers`, sliced once by a caller that runs many steps.
+    Slot ``cache.index + t`` of row ``b`` (``cache.index[b] + t`` with per-row indices) holds
+    ``input_ids[b, t]`` if ``token_mask[b, t]``, else padding. Each query attends to the real
+    tokens in slots up to its own. The caller keeps ``cache.index + T <= cache.max_len`` (the
+    write is clamped otherwise). ``layers``: this model's :meth:`unstacked_layers`, sliced once
+    by a caller that runs many steps.
     """
-    t = input_ids.shape[1]
+    b, t = input_ids.shape
     if t > cache.max_len:
       raise ValueError(f"extend: {t} new tokens exceed the cache length {cache.max_len}")
     token_mask = token_mask.astype(jnp.int32)
     positions = jnp.maximum(
         cache.positions[:, None] + jnp.cumsum(token_mask, axis=-1) - 1, 0)
-    slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, token_mask.astype(jnp.bool_),
-                                             (0, cache.index))
-    slots = jnp.arange(cache.max_len)
-    query_slots = cache.index + jnp.arange(t)
-    mask = (slots[None, :] <= query_slots[:, None])[None] & slot_mask[:, None, :]
+    slot_mask = write_slots(cache.slot_mask, token_mask.astype(jnp.bool_), cache.index, axis=1)
+    mask = visible_slots(slot_mask, query_slots(cache.index, b, t))
     hidden, k, v = self._cached_layers(self._embed(input_ids), positions, mask, cache, layers)
     cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                     positions=cache.positions + jnp.sum(token_mask, axis=-1),

@@ -24,6 +24,7 @@ from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, na
                               tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
+from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import OnDevice, Rollouts
@@ -104,8 +105,11 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   fingerprints[:num] = prompt_fingerprints(prompts)  # occurrence numbers count the whole list
   live = np.arange(total) < num
 
-  spec = LoopSpec.of(params, cache_dtype)
-  sample_loop = loop_for(mesh)
+  if params.scheduler == "continuous":
+    spec = PoolSpec.of(params, batch * n, data, cache_dtype)
+  else:
+    spec = LoopSpec.of(params, cache_dtype)
+  sample_loop = program_for(params, mesh)
   outs = []
   for call in range(calls):  # one compiled program for every call: the same shapes
     inputs = [x[call * batch:(call + 1) * batch] for x in (ids, mask, fingerprints, live)]
@@ -137,6 +141,13 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       prompt_index=np.repeat(np.arange(num, dtype=np.int32), n),
       on_device=on_device,
   )
+
+
+def program_for(params: SamplingParams, mesh: Mesh | None):
+  """The compiled program :func:`generate` runs for ``params`` on the devices of ``mesh``:
+  continuous batching's (:func:`~rft_jax.sampling.continuous.pool_for`) or the static loop's
+  (:func:`~rft_jax.sampling.loop.loop_for`), as ``params.scheduler`` says."""
+  return pool_for(mesh) if params.scheduler == "continuous" else loop_for(mesh)
 
 
 @functools.partial(jax.jit, static_argnums=1)

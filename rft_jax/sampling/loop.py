@@ -66,7 +66,7 @@ class LoopState:
   cache: KVCache
 
 
-def _constrain(tree, axes, mesh: Mesh | None, rules: Rules):
+def constrain(tree, axes, mesh: Mesh | None, rules: Rules):
   """``with_sharding_constraint`` from logical axis names (a no-op without a mesh)."""
   if mesh is None:
     return tree
@@ -169,17 +169,17 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     ``b``).
   """
   model = nnx.merge(graphdef, state)
-  platform = _platform(mesh)
+  platform = platform_of(mesh)
   on_cpu = platform == "cpu"
   if not on_cpu:
-    model = nnx.merge(graphdef, _decode_state(model, mesh))
+    model = nnx.merge(graphdef, decode_state(model, mesh))
   b, p = prompt_ids.shape
   n, m = spec.n, spec.max_new_tokens
   rows = ("batch", None)
 
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
-  prompt_cache = _constrain(prompt_cache, axes, mesh, rules)
+  prompt_cache = constrain(prompt_cache, axes, mesh, rules)
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
   # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels, benchmarks/
@@ -190,14 +190,14 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
-  attention = _cpu_attention(prompt_cache, mesh) if on_cpu else None
+  attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
 
   def repeat(x):
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
 
   logits = repeat(logits)
   uniforms = step_uniforms(completion_keys(seed, fingerprints, n), m)  # [R, M]
-  uniforms = _constrain(uniforms, rows, mesh, rules)
+  uniforms = constrain(uniforms, rows, mesh, rules)
 
   r = b * n
   loop = LoopState(
@@ -205,8 +205,8 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       last_tokens=jnp.zeros((r,), jnp.int32),
       done=~repeat(live),
       lengths=jnp.zeros((r,), jnp.int32),
-      tokens=_constrain(jnp.zeros((r, m), jnp.int32), rows, mesh, rules),
-      logprobs=_constrain(jnp.zeros((r, m), jnp.float32), rows, mesh, rules),
+      tokens=constrain(jnp.zeros((r, m), jnp.int32), rows, mesh, rules),
+      logprobs=constrain(jnp.zeros((r, m), jnp.float32), rows, mesh, rules),
       cache=None,
   )
   tokens, logp = spec.strategy(logits, uniforms[:, 0], temperature, top_k, top_p)
@@ -221,13 +221,13 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       vocab_axis = 1
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
-    s = s.replace(cache=_constrain(cache, axes, mesh, rules))
+    s = s.replace(cache=constrain(cache, axes, mesh, rules))
     return _record(s, tokens, logp, spec.stop_token_ids)
 
   previous, repeats = prompt_cache, n
   for end in spec.segment_ends:
     grown = _grow(previous, cache_slots(p, end), repeats)
-    loop = loop.replace(cache=_constrain(grown, axes, mesh, rules))
+    loop = loop.replace(cache=constrain(grown, axes, mesh, rules))
     loop = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, loop)
     previous, repeats = loop.cache, 1
   return loop.replace(cache=None)
@@ -253,10 +253,10 @@ def layer_indices(num_layers: int) -> tuple[np.int32, ...]:
 def loop_for(mesh: Mesh | None):
   """The compiled :func:`sample_loop` for the devices of ``mesh`` (the default devices without
   one): :data:`sample_loop_cpu` on CPU, else :data:`sample_loop`."""
-  return sample_loop_cpu if _on_cpu(mesh) else sample_loop
+  return sample_loop_cpu if on_cpu(mesh) else sample_loop
 
 
-def _decode_state(model, mesh: Mesh | None) -> nnx.State:
+def decode_state(model, mesh: Mesh | None) -> nnx.State:
   """The state an accelerator's loop decodes with, made once per call: the matrices in the
   compute dtype (:meth:`~rft_jax.models.Qwen.state_in_compute_dtype`: with the paper's float32
   parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
@@ -272,16 +272,16 @@ def _decode_state(model, mesh: Mesh | None) -> nnx.State:
   return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, TP_RULES))
 
 
-def _on_cpu(mesh: Mesh | None) -> bool:
+def on_cpu(mesh: Mesh | None) -> bool:
   """Whether the program runs on CPU, where decode steps run feature-major
   (:mod:`rft_jax.models.feature_major`: weight-first products on a transposed copy of the layer
   weights, made once per call and held while it runs); elsewhere they run
-  :meth:`Qwen.decode_step` on the weights of :func:`_decode_state`, made once per call (GPUs
+  :meth:`Qwen.decode_step` on the weights of :func:`decode_state`, made once per call (GPUs
   also slice its layers apart once; TPUs slice them in the loop)."""
-  return _platform(mesh) == "cpu"
+  return platform_of(mesh) == "cpu"
 
 
-def _cpu_attention(cache: KVCache, mesh: Mesh | None):
+def cpu_attention_for(cache: KVCache, mesh: Mesh | None):
   """The CPU decode step's attention: the compiled kernel (:mod:`rft_jax.models.cpu_attention`)
   for a float32 cache on one device, where it is built; else ``feature_major.attend``."""
   one_device = mesh is None or mesh.devices.size == 1
@@ -290,7 +290,7 @@ def _cpu_attention(cache: KVCache, mesh: Mesh | None):
   return feature_major.attend
 
 
-def _platform(mesh: Mesh | None) -> str:
+def platform_of(mesh: Mesh | None) -> str:
   """``cpu``, ``gpu`` or ``tpu``: the platform of ``mesh``'s devices (else the default ones)."""
   devices = mesh.devices.flat if mesh is not None else jax.devices()
   return next(iter(devices)).platform

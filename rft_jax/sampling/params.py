@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+SCHEDULERS = ("continuous", "static")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -53,6 +54,17 @@ class SamplingParams:
       them: the same completions as one call (log-probabilities to float32 rounding). None:
       every prompt in one call. At least ``n``: a prompt's ``n`` samples share its prefill, so
       they are never split across calls.
+    scheduler: ``continuous`` (default): continuous batching
+      (:mod:`rft_jax.sampling.continuous`): a pool of decode slots takes the samples from a
+      queue, a stopped sample's slot takes the next one, and the pool shrinks as the queue
+      drains, so that long-tailed lengths do not keep every row busy until the longest ends.
+      ``static``: every row of a call decodes until the call's longest row ends
+      (:mod:`rft_jax.sampling.loop`), with growing cache segments. Both give the same samples.
+    decode_slots: continuous batching's pool size, the most samples that decode at once (its
+      KV cache holds this many rows of ``prompt + max_new_tokens`` slots); None: one slot per
+      row of the call.
+    pool_stages: the pool halves at most ``pool_stages - 1`` times as the queue drains (never
+      below 8 slots): each stage is one more compiled decode body.
   """
 
   n: int = 1
@@ -64,6 +76,9 @@ class SamplingParams:
   cache_segments: int = 4
   min_segment_tokens: int = 64
   max_rollouts_per_call: int | None = None
+  scheduler: str = "continuous"
+  decode_slots: int | None = None
+  pool_stages: int = 3
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -75,7 +90,14 @@ class SamplingParams:
     _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
     _check_int("cache_segments", self.cache_segments, minimum=1)
     _check_int("min_segment_tokens", self.min_segment_tokens, minimum=1)
-    for name in ("n", "top_k", "max_new_tokens", "cache_segments", "min_segment_tokens"):
+    _check_int("pool_stages", self.pool_stages, minimum=1)
+    if self.scheduler not in SCHEDULERS:
+      raise ValueError(f"SamplingParams.scheduler={self.scheduler!r} must be one of {SCHEDULERS}")
+    if self.decode_slots is not None:
+      _check_int("decode_slots", self.decode_slots, minimum=1)
+      object.__setattr__(self, "decode_slots", int(self.decode_slots))
+    for name in ("n", "top_k", "max_new_tokens", "cache_segments", "min_segment_tokens",
+                 "pool_stages"):
       object.__setattr__(self, name, int(getattr(self, name)))
     if self.max_rollouts_per_call is not None:
       if not _is_int(self.max_rollouts_per_call) or self.max_rollouts_per_call < self.n:

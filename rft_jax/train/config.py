@@ -26,6 +26,7 @@ from rft_jax.models.tokenizer import CHAT_TEMPLATE_MODES
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
+from rft_jax.sampling.params import SCHEDULERS
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,11 @@ class SamplingConfig:
   ``max_rollouts_per_call``: the most rollouts (prompts x ``n``) one compiled sampler call
   decodes, which bounds its KV cache; a step's prompts then run as several calls with the
   same completions (``SamplingParams.max_rollouts_per_call``; at least ``n``; None: one call).
+
+  ``scheduler``: ``continuous`` (a pool of ``decode_slots`` decode slots refilled from the
+  step's queue of samples as they stop, shrinking as the queue drains; None: one slot per
+  rollout of a call) or ``static`` (every row decodes until the call's longest ends): the same
+  completions (``SamplingParams.scheduler``, ``decode_slots``).
   """
 
   n: int = 16
@@ -115,6 +121,8 @@ class SamplingConfig:
   top_k: int = 0
   max_new_tokens: int = 1024
   max_rollouts_per_call: Optional[int] = None
+  scheduler: str = "continuous"
+  decode_slots: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -276,6 +284,11 @@ class TrainConfig:
       raise ConfigError(
           f"sampling.max_rollouts_per_call={self.sampling.max_rollouts_per_call} is below "
           f"sampling.n={self.sampling.n}: a prompt's n samples run in one sampler call")
+    if self.sampling.scheduler not in SCHEDULERS:
+      raise ConfigError(f"sampling.scheduler={self.sampling.scheduler!r} is not one of {list(SCHEDULERS)}")
+    if self.sampling.decode_slots is not None and self.sampling.decode_slots < 1:
+      raise ConfigError(f"sampling.decode_slots={self.sampling.decode_slots} must be >= 1 (or null: "
+                        "one slot per rollout)")
     if self.learner.temperature is None:
       self.learner.temperature = self.sampling.temperature
     elif self.learner.temperature != self.sampling.temperature:

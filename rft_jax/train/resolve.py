@@ -29,7 +29,8 @@ def sampling_params(cfg: TrainConfig, stop_ids: Sequence[int]) -> SamplingParams
   s = cfg.sampling
   return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                         max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop_ids),
-                        max_rollouts_per_call=s.max_rollouts_per_call)
+                        max_rollouts_per_call=s.max_rollouts_per_call, scheduler=s.scheduler,
+                        decode_slots=s.decode_slots)
 
 
 def reward_config(cfg: TrainConfig, questions: Sequence[str]) -> RewardConfig:

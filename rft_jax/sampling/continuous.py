@@ -1,0 +1,298 @@
+r"""Continuous batching: a pool of decode slots kept full from a queue of samples, one program.
+
+One call of :func:`sample_pool`, for ``B`` (bucketed) prompts of (bucketed) length ``P``, ``n``
+samples each (``R = B * n`` samples, sample ``b * n + j`` is sample ``j`` of prompt ``b``) and
+``M = max_new_tokens``:
+
+1. prefill the ``B`` prompts once into a ``P``-slot prompt cache, and draw every sample's first
+   token from its prompt's last logits (a prompt's ``n`` samples share its prefill);
+2. the samples that did not stop at their first token wait in a queue, in sample order; a pool
+   of ``S`` decode slots (``S <= R``, each with a ``P + M``-slot cache row and its own write
+   index) takes them: every step, each free slot takes the next waiting sample (its prompt's
+   cache row copied in, a scatter of the admitted rows only), then all slots decode one token;
+   a slot is freed when its sample emits a stop token or reaches ``M`` tokens;
+3. once nothing waits, the pool shrinks by halves (``spec.slots``: ``S, S/2, ...``): when the
+   running samples fit the next size, they are gathered into a pool of that size and decoding
+   goes on there, so the last long completions run in a small batch instead of keeping every
+   slot of the call busy; the call ends when nothing waits or runs.
+
+Each sample's tokens and log-probabilities depend only on its prompt, its sample index and the
+seed: its uniform numbers are those of :mod:`rft_jax.sampling.keys` (by sample and step, not by
+slot), its cache row holds the prompt at slots ``[0, P)`` and its tokens from slot ``P`` on, as
+in the static program (:mod:`rft_jax.sampling.loop`), whatever slot it runs in and whenever it
+enters. So the samples equal the static program's (log-probabilities to float32 rounding: XLA
+may round a row's sums differently at another batch size; ``tests/test_sampling_continuous.py``).
+
+Why one ``while_loop`` with the queue on the device, not a host scheduler driving jitted
+``prefill`` / ``insert`` / ``decode k steps`` programs (JetStream's orchestrator): the queue of
+one RL step is known when the call starts (every prompt and its ``n``), so nothing needs the
+host between steps; a host loop would wait for a device-to-host transfer every ``k`` steps and
+leave a freed slot idle until then (on the peers' small model a decode step takes 2-5 ms on
+two cores, about the cost of a round trip through Python and dispatch), and admitting inside
+the loop costs one ``cond`` per step that copies only the admitted rows.
+
+The cache is sized by the pool, not by the rows: ``S x (P + M)`` slots instead of the static
+program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. Pages (a block table per
+slot, so that memory follows the live tokens) are the next step on accelerators; on one CPU
+device the attention kernel already reads only each row's live slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from rft_jax.models import feature_major
+from rft_jax.models.kv_cache import KVCache
+from rft_jax.parallel import Rules
+from rft_jax.sampling.keys import completion_keys, step_uniforms
+from rft_jax.sampling import loop
+from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, cache_slots, constrain, cpu_attention_for,
+                                   decode_state)
+from rft_jax.sampling.params import SamplingParams
+from rft_jax.sampling.strategies import Strategy
+
+
+@flax.struct.dataclass
+class PoolState:
+  """The ``while_loop`` carry of :func:`sample_pool` (``S`` slots, ``R`` samples).
+
+  Attributes:
+    admitted: queued samples that have entered a slot so far.
+    sample: ``[S]`` the sample each slot decodes (``R`` when the slot is free).
+    steps: ``[S]`` tokens its sample has drawn (the column its next token is written to).
+    last_tokens: ``[S]`` each slot's latest token, the next decode input.
+    running: ``[S]`` the slot holds a sample that has not ended.
+    cache: the pool's decode cache, one write index per slot.
+    tokens: ``[R, M]`` every sample's tokens, 0 after its end.
+    logprobs: ``[R, M]`` their log-probabilities, 0 after the end.
+    lengths: ``[R]`` tokens per sample.
+    done: ``[R]`` the sample ended with a stop token (or is a dummy row).
+  """
+
+  admitted: Int[Array, ""]
+  sample: Int[Array, "S"]
+  steps: Int[Array, "S"]
+  last_tokens: Int[Array, "S"]
+  running: Bool[Array, "S"]
+  cache: KVCache | None
+  tokens: Int[Array, "R M"]
+  logprobs: Float[Array, "R M"]
+  lengths: Int[Array, "R"]
+  done: Bool[Array, "R"]
+
+
+def pool_sizes(rows: int, decode_slots: int | None, stages: int, data: int = 1,
+               min_slots: int = 8) -> tuple[int, ...]:
+  """The pool's sizes, largest first: ``S = min(rows, decode_slots)`` rounded up to a multiple
+  of ``data`` (each data shard decodes as many slots), then halved while a half is a multiple of
+  ``data`` and at least ``min_slots`` (at most ``stages`` sizes); e.g. ``(64, 32, 16)`` for 128
+  rows, 64 slots and 3 stages, ``(32,)`` for 32 rows and 1 stage."""
+  size = rows if decode_slots is None else min(rows, decode_slots)
+  sizes = [-(-size // data) * data]
+  while (len(sizes) < stages and sizes[-1] % 2 == 0 and (sizes[-1] // 2) % data == 0
+         and sizes[-1] // 2 >= min_slots):
+    sizes.append(sizes[-1] // 2)
+  return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+  """What shapes :func:`sample_pool` besides array shapes (hashable, a static argument).
+
+  Attributes:
+    n: samples per prompt.
+    max_new_tokens: M.
+    stop_token_ids: tokens that end a sample.
+    strategy: greedy or not, truncation or not.
+    slots: :func:`pool_sizes`, the pool's size at each stage.
+    cache_dtype: the KV cache's dtype (None: the model's compute dtype).
+  """
+
+  n: int
+  max_new_tokens: int
+  stop_token_ids: tuple[int, ...]
+  strategy: Strategy
+  slots: tuple[int, ...]
+  cache_dtype: jnp.dtype | None = None
+
+  @classmethod
+  def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
+    return cls(params.n, params.max_new_tokens, params.stop_token_ids, Strategy.of(params),
+               pool_sizes(rows, params.decode_slots, params.pool_stages, data),
+               None if cache_dtype is None else jnp.dtype(cache_dtype))
+
+
+def _is_stop(tokens: Int[Array, "..."], stop_token_ids: tuple[int, ...]) -> Bool[Array, "..."]:
+  if not stop_token_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.asarray(stop_token_ids, jnp.int32))
+
+
+def _empty_pool_cache(model, slots: int, width: int, dtype) -> KVCache:
+  """A pool cache of ``slots`` rows x ``width`` slots with one write index per row."""
+  cache = model.init_cache(slots, width, dtype=dtype)
+  return cache.replace(index=jnp.zeros((slots,), jnp.int32))
+
+
+def _insert(cache: KVCache, prompt_cache: KVCache, slots: Int[Array, "S"],
+            prompts: Int[Array, "S"], prompt_lengths: Int[Array, "B"]) -> KVCache:
+  """``cache`` with row ``slots[i]`` restarted on prompt ``prompts[i]`` for every ``i`` whose
+  slot is in range (the others, ``slots[i] = S``, are dropped): the prompt's keys and values at
+  slots ``[0, P)``, its slot mask, position and write index ``P``. The row's later slots keep
+  their old contents, masked off."""
+  p = prompt_cache.max_len
+  width = cache.max_len
+
+  def rows(layer, prompt_layer, axis):
+    window = (slice(None),) * (axis - 1) + (slice(0, p),)
+    return layer.at[(slots,) + window].set(prompt_layer[prompts].astype(layer.dtype), mode="drop")
+
+  mask = jnp.pad(prompt_cache.slot_mask[prompts], ((0, 0), (0, width - p)))
+  return KVCache(
+      k=tuple(rows(k, pk, 3) for k, pk in zip(cache.k, prompt_cache.k)),
+      v=tuple(rows(v, pv, 2) for v, pv in zip(cache.v, prompt_cache.v)),
+      slot_mask=cache.slot_mask.at[slots].set(mask, mode="drop"),
+      positions=cache.positions.at[slots].set(prompt_lengths[prompts], mode="drop"),
+      index=cache.index.at[slots].set(p, mode="drop"),
+  )
+
+
+def _compact(state: PoolState, size: int) -> PoolState:
+  """``state`` in a pool of ``size`` slots holding all its running samples (``size`` at least
+  their number): the running slots first, in slot order, then free ones."""
+  keep = jnp.argsort(~state.running, stable=True)[:size]
+  take = lambda x: x[keep]  # noqa: E731
+  return state.replace(sample=take(state.sample), steps=take(state.steps),
+                       last_tokens=take(state.last_tokens), running=take(state.running),
+                       cache=jax.tree.map(take, state.cache))
+
+
+def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
+                 prompt_ids: Int[Array, "B P"], prompt_mask: Int[Array, "B P"],
+                 fingerprints: UInt32[Array, "B 3"], live: Bool[Array, "B"],
+                 seed: UInt32[Array, ""], temperature: Float[Array, ""],
+                 top_k: Int[Array, ""], top_p: Float[Array, ""],
+                 layer_ids: tuple[Int[Array, ""], ...] | None = None, *, spec: PoolSpec,
+                 mesh: Mesh | None, rules: Rules) -> PoolState:
+  """Samples ``spec.n`` completions of every prompt (see the module docstring); the arguments
+  are those of :func:`rft_jax.sampling.loop.sample_loop`.
+
+  Returns:
+    The final :class:`PoolState` without its cache: ``tokens``, ``logprobs``, ``lengths`` and
+    ``done`` by sample (row ``b * n + j`` is sample ``j`` of prompt ``b``).
+  """
+  model = nnx.merge(graphdef, state)
+  platform = loop.platform_of(mesh)  # through the module: tests set it
+  on_cpu = platform == "cpu"
+  if not on_cpu:
+    model = nnx.merge(graphdef, decode_state(model, mesh))
+  b, p = prompt_ids.shape
+  n, m = spec.n, spec.max_new_tokens
+  r = b * n
+  rows = ("batch", None)
+
+  prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
+  axes = prompt_cache.logical_axes()
+  prompt_cache = constrain(prompt_cache, axes, mesh, rules)
+  layers = model.unstacked_layers(layer_ids if on_cpu else None)
+  step_layers = layers if platform == "gpu" else None  # see loop.py: GPUs slice layers once
+  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
+                                       layers=layers)
+  weights = feature_major.decode_weights(model, layers) if on_cpu else None
+  attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
+  prompt_lengths = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+
+  uniforms = constrain(step_uniforms(completion_keys(seed, fingerprints, n), m), rows, mesh, rules)
+  logits = jnp.repeat(logits, n, axis=0, total_repeat_length=r)
+  first, first_logp = spec.strategy(logits, uniforms[:, 0], temperature, top_k, top_p)
+  real = jnp.repeat(live, n, total_repeat_length=r)
+  stopped = _is_stop(first, spec.stop_token_ids)
+  waiting = real & ~stopped & (m > 1)
+  queue = jnp.argsort(~waiting, stable=True)  # the waiting samples first, in sample order
+  queued = jnp.sum(waiting)
+
+  size = spec.slots[0]
+  pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype)
+  pool_axes = pool_cache.logical_axes()
+  pool = PoolState(
+      admitted=jnp.zeros((), jnp.int32),
+      sample=jnp.full((size,), r, jnp.int32),
+      steps=jnp.zeros((size,), jnp.int32),
+      last_tokens=jnp.zeros((size,), jnp.int32),
+      running=jnp.zeros((size,), bool),
+      cache=constrain(pool_cache, pool_axes, mesh, rules),
+      tokens=constrain(jnp.zeros((r, m), jnp.int32).at[:, 0].set(jnp.where(real, first, 0)),
+                        rows, mesh, rules),
+      logprobs=constrain(jnp.zeros((r, m), jnp.float32).at[:, 0].set(
+          jnp.where(real, first_logp, 0.0)), rows, mesh, rules),
+      lengths=real.astype(jnp.int32),
+      done=~real | stopped,
+  )
+
+  def admit(s: PoolState) -> PoolState:
+    free = ~s.running
+    place = s.admitted + jnp.cumsum(free) - 1  # each free slot's place in the queue
+    take = free & (place < queued)
+    sample = jnp.where(take, queue[jnp.minimum(place, r - 1)], s.sample)
+    slots = jnp.where(take, jnp.arange(take.shape[0]), take.shape[0])  # out of range: dropped
+    cache = jax.lax.cond(
+        jnp.any(take),
+        lambda c: _insert(c, prompt_cache, slots, sample // n, prompt_lengths),
+        lambda c: c, s.cache)
+    return s.replace(admitted=s.admitted + jnp.sum(take), sample=sample,
+                     steps=jnp.where(take, 1, s.steps),
+                     last_tokens=jnp.where(take, first[jnp.minimum(sample, r - 1)], s.last_tokens),
+                     running=s.running | take, cache=cache)
+
+  def decode(s: PoolState) -> PoolState:
+    if on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
+      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
+      vocab_axis = 0
+    else:
+      logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
+      vocab_axis = 1
+    column = jnp.minimum(s.steps, m - 1)
+    u = uniforms[jnp.minimum(s.sample, r - 1), column]
+    tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
+    target = jnp.where(s.running, s.sample, r)  # out of range: dropped
+    stop = _is_stop(tokens, spec.stop_token_ids)
+    return s.replace(
+        cache=constrain(cache, pool_axes, mesh, rules),
+        steps=s.steps + 1,
+        last_tokens=tokens,
+        running=s.running & ~stop & (s.steps + 1 < m),
+        tokens=s.tokens.at[target, column].set(tokens, mode="drop"),
+        logprobs=s.logprobs.at[target, column].set(logp, mode="drop"),
+        lengths=s.lengths.at[target].set(s.steps + 1, mode="drop"),
+        done=s.done.at[target].set(stop, mode="drop"),
+    )
+
+  for stage, size in enumerate(spec.slots):
+    if stage:
+      pool = _compact(pool, size)
+      pool = pool.replace(cache=constrain(pool.cache, pool_axes, mesh, rules))
+    smaller = spec.slots[stage + 1] if stage + 1 < len(spec.slots) else 0
+
+    def busy(s: PoolState, smaller=smaller):  # samples wait, or more run than the next pool holds
+      return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
+    pool = jax.lax.while_loop(busy, lambda s: decode(admit(s)), pool)
+  return pool.replace(cache=None)
+
+
+_STATIC = ("graphdef", "spec", "mesh", "rules")
+sample_pool = jax.jit(_sample_pool, static_argnames=_STATIC)
+sample_pool_cpu = jax.jit(_sample_pool, static_argnames=_STATIC,
+                          compiler_options=CPU_COMPILER_OPTIONS)
+
+
+def pool_for(mesh: Mesh | None):
+  """The compiled :func:`sample_pool` for the devices of ``mesh`` (the default devices without
+  one): :data:`sample_pool_cpu` on CPU, else :data:`sample_pool`."""
+  return sample_pool_cpu if loop.on_cpu(mesh) else sample_pool
