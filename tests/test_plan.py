@@ -62,6 +62,9 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
   # max_rollouts_per_call=8 holds 2 prompts of 4 samples, but every data shard gets a prompt.
   data = devices // 2
   assert sampler["prompts_per_call"] == max(2, data) and sampler["rollouts_per_call"] == 4 * max(2, data)
+  # Continuous batching (the default), one decode slot per rollout: the cache holds them all.
+  assert sampler["scheduler"] == "continuous"
+  assert sampler["rows_in_flight"] == sampler["rollouts_per_call"]
   reference = learner["parameter_bytes"] if kl_coef > 0 else 0
   assert learner["reference_bytes"] == reference
   assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] + reference

@@ -9,7 +9,7 @@ samples each (``R = B * n`` samples, sample ``b * n + j`` is sample ``j`` of pro
 2. the samples that did not stop at their first token wait in a queue, in sample order; a pool
    of ``S`` decode slots (``S <= R``, each with a ``P + M``-slot cache row and its own write
    index) takes them: every step, each free slot takes the next waiting sample (its prompt's
-   cache row copied in, a scatter of the admitted rows only), then all slots decode one token;
+   cache row copied in, the admitted rows only), then all slots decode one token;
    a slot is freed when its sample emits a stop token or reaches ``M`` tokens;
 3. once nothing waits, the pool shrinks by halves (``spec.slots``: ``S, S/2, ...``): when the
    running samples fit the next size, they are gathered into a pool of that size and decoding
@@ -29,7 +29,7 @@ one RL step is known when the call starts (every prompt and its ``n``), so nothi
 host between steps; a host loop would wait for a device-to-host transfer every ``k`` steps and
 leave a freed slot idle until then (on the peers' small model a decode step takes 2-5 ms on
 two cores, about the cost of a round trip through Python and dispatch), and admitting inside
-the loop costs one ``cond`` per step that copies only the admitted rows.
+the loop copies only the admitted rows' prompt slots.
 
 The cache is sized by the pool, not by the rows: ``S x (P + M)`` slots instead of the static
 program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. Pages (a block table per
@@ -141,27 +141,31 @@ def _empty_pool_cache(model, slots: int, width: int, dtype) -> KVCache:
   return cache.replace(index=jnp.zeros((slots,), jnp.int32))
 
 
-def _insert(cache: KVCache, prompt_cache: KVCache, slots: Int[Array, "S"],
+def _insert(cache: KVCache, prompt_cache: KVCache, order: Int[Array, "S"], count: Int[Array, ""],
             prompts: Int[Array, "S"], prompt_lengths: Int[Array, "B"]) -> KVCache:
-  """``cache`` with row ``slots[i]`` restarted on prompt ``prompts[i]`` for every ``i`` whose
-  slot is in range (the others, ``slots[i] = S``, are dropped): the prompt's keys and values at
-  slots ``[0, P)``, its slot mask, position and write index ``P``. The row's later slots keep
-  their old contents, masked off."""
+  """``cache`` with its rows ``order[:count]`` restarted, row ``s`` on prompt ``prompts[s]``:
+  the prompt's keys and values at slots ``[0, P)``, its slot mask, its position and the write
+  index ``P``. The row's later slots keep their old contents, masked off. One row at a time
+  (``count`` is traced): each copies only its own ``P`` slots of every layer, in place, where a
+  scatter of a fixed ``S`` rows would move every slot's window at each admission."""
   p = prompt_cache.max_len
-  width = cache.max_len
 
-  def rows(layer, prompt_layer, axis):
-    window = (slice(None),) * (axis - 1) + (slice(0, p),)
-    return layer.at[(slots,) + window].set(prompt_layer[prompts].astype(layer.dtype), mode="drop")
+  def restart(i, c: KVCache) -> KVCache:
+    slot = order[i]
+    prompt = prompts[slot]
 
-  mask = jnp.pad(prompt_cache.slot_mask[prompts], ((0, 0), (0, width - p)))
-  return KVCache(
-      k=tuple(rows(k, pk, 3) for k, pk in zip(cache.k, prompt_cache.k)),
-      v=tuple(rows(v, pv, 2) for v, pv in zip(cache.v, prompt_cache.v)),
-      slot_mask=cache.slot_mask.at[slots].set(mask, mode="drop"),
-      positions=cache.positions.at[slots].set(prompt_lengths[prompts], mode="drop"),
-      index=cache.index.at[slots].set(p, mode="drop"),
-  )
+    def row(layer, prompt_layer):  # one layer's row `slot` <- the prompt's row, slots [0, P)
+      update = jax.lax.dynamic_index_in_dim(prompt_layer, prompt, keepdims=True)
+      start = (slot,) + (0,) * (layer.ndim - 1)
+      return jax.lax.dynamic_update_slice(layer, update.astype(layer.dtype), start)
+
+    return KVCache(
+        k=tuple(map(row, c.k, prompt_cache.k)), v=tuple(map(row, c.v, prompt_cache.v)),
+        slot_mask=row(c.slot_mask.at[slot].set(False), prompt_cache.slot_mask),
+        positions=c.positions.at[slot].set(prompt_lengths[prompt]),
+        index=c.index.at[slot].set(p))
+
+  return jax.lax.fori_loop(0, count, restart, cache)
 
 
 def _compact(state: PoolState, size: int) -> PoolState:
@@ -241,11 +245,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     place = s.admitted + jnp.cumsum(free) - 1  # each free slot's place in the queue
     take = free & (place < queued)
     sample = jnp.where(take, queue[jnp.minimum(place, r - 1)], s.sample)
-    slots = jnp.where(take, jnp.arange(take.shape[0]), take.shape[0])  # out of range: dropped
-    cache = jax.lax.cond(
-        jnp.any(take),
-        lambda c: _insert(c, prompt_cache, slots, sample // n, prompt_lengths),
-        lambda c: c, s.cache)
+    order = jnp.argsort(~take, stable=True)  # the admitting slots first
+    cache = _insert(s.cache, prompt_cache, order, jnp.sum(take), sample // n, prompt_lengths)
     return s.replace(admitted=s.admitted + jnp.sum(take), sample=sample,
                      steps=jnp.where(take, 1, s.steps),
                      last_tokens=jnp.where(take, first[jnp.minimum(sample, r - 1)], s.last_tokens),

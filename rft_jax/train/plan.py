@@ -35,6 +35,7 @@ from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
+from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
@@ -197,8 +198,10 @@ def layout_warnings(config: QwenConfig, model_axis: int) -> list[str]:
 
 def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, topo: Topology,
                   resident: int) -> dict[str, Any]:
-  """Compiles one sampler call (:func:`~rft_jax.sampling.loop.loop_for` the mesh's devices): the
-  prompts of one call at the longest prompt bucket."""
+  """Compiles one sampler call (:func:`~rft_jax.sampling.generate.program_for` the run's
+  scheduler and the mesh's devices): the prompts of one call at the longest prompt bucket. Its
+  KV cache holds the rows in flight: continuous batching's pool of decode slots
+  (``sampling.decode_slots``, the call's rollouts when unset), or every rollout of the call."""
   s = cfg.sampling
   params = sampling_params(cfg, stop_ids=(0,))
   # One call's prompts, as generate() slices a step's prompts (dummy rows included).
@@ -207,21 +210,28 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   batch = batch_bucket(cfg.data.prompts_per_step, data, max_prompts)
   width = prompt_length_bucket(cfg.data.max_prompt_len)
   slots = cache_slots(width, s.max_new_tokens)
-  rules = sampler_rules()
-  cache = abstract_cache(config, batch * s.n, slots, mesh=mesh, rules=rules)  # the last segment's
+  if params.scheduler == "continuous":
+    spec = PoolSpec.of(params, batch * s.n, data)
+    in_flight = spec.slots[0]
+  else:
+    spec, in_flight = LoopSpec.of(params), batch * s.n
+  cache = abstract_cache(config, in_flight, slots, mesh=mesh, rules=sampler_rules())
   start = time.perf_counter()
-  compiled = compile_sampler_call(mesh, graphdef, state, LoopSpec.of(params), batch, width)
+  compiled = compile_sampler_call(mesh, graphdef, state, spec, batch, width)
   report = _memory(compiled, topo.hbm_bytes, resident)
   report.update(compile_seconds=time.perf_counter() - start,
                 kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
-                rollouts_per_call=batch * s.n, prompt_length=width, cache_slots=slots)
+                rollouts_per_call=batch * s.n, rows_in_flight=in_flight,
+                scheduler=params.scheduler, prompt_length=width, cache_slots=slots)
   return report
 
 
-def compile_sampler_call(mesh, graphdef, state, spec: LoopSpec, batch: int, width: int):
-  """The compiled sampler program (:func:`~rft_jax.sampling.loop.loop_for` the mesh's devices)
-  for ``batch`` prompts of ``width`` tokens, its inputs abstract and laid out as ``generate``
-  lays them out (rows over ``data``, scalars replicated); ``state`` abstract, with shardings."""
+def compile_sampler_call(mesh, graphdef, state, spec: LoopSpec | PoolSpec, batch: int,
+                         width: int):
+  """The compiled sampler program (the static loop for a :class:`LoopSpec`, continuous
+  batching's for a :class:`PoolSpec`, built for the mesh's devices) for ``batch`` prompts of
+  ``width`` tokens, its inputs abstract and laid out as ``generate`` lays them out (rows over
+  ``data``, scalars replicated); ``state`` abstract, with shardings."""
   rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
   scalar = NamedSharding(mesh, PartitionSpec())
   inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in (
@@ -232,8 +242,9 @@ def compile_sampler_call(mesh, graphdef, state, spec: LoopSpec, batch: int, widt
   layers = nnx.merge(graphdef, state).config.num_hidden_layers
   layer_ids = tuple(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
                     for _ in range(layers))  # as layer_indices(L)
-  return loop_for(mesh).lower(graphdef, state, *inputs, *scalars, layer_ids, spec=spec,
-                              mesh=mesh, rules=sampler_rules()).compile()
+  program = pool_for(mesh) if isinstance(spec, PoolSpec) else loop_for(mesh)
+  return program.lower(graphdef, state, *inputs, *scalars, layer_ids, spec=spec, mesh=mesh,
+                       rules=sampler_rules()).compile()
 
 
 def while_loop_bodies(hlo: str) -> dict[str, list[str]]:
@@ -267,8 +278,8 @@ def format_report(report: dict[str, Any]) -> str:
       f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])} = "
       f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
       f"(compiled in {l['compile_seconds']:.0f} s)",
-      f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, {s['cache_slots']} "
-      f"slots: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
+      f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
+      f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) x {s['cache_slots']} slots: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
       f"optimizer state and reference {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
