@@ -24,24 +24,21 @@ by tokens (``benchmarks/learner_longtail.py``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CHILD_ENV = dict(os.environ)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from peers.contenders import LONGTAIL_WORKS  # noqa: E402
-from peers.driver import measure  # noqa: E402
-from peers.report import print_details, print_ratios  # noqa: E402
+from peers.driver import add_common_arguments, measure_models  # noqa: E402
+from peers.report import print_ratios  # noqa: E402
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", nargs="+", choices=("small", "large"), default=["small", "large"])
-  parser.add_argument("--rounds", type=int, default=3)
+  add_common_arguments(parser, rounds=3)
   parser.add_argument("--work", nargs="+", choices=(*LONGTAIL_WORKS, "rollout"),
                       default=[*LONGTAIL_WORKS, "rollout"])
   parser.add_argument("--peers", nargs="+", choices=("rft_jax_static", "vllm"),
@@ -49,21 +46,9 @@ def main() -> None:
   parser.add_argument("--decode-slots", type=int, default=None,
                       help="rft_jax's continuous-batching pool (SamplingParams.decode_slots)")
   parser.add_argument("--learner", action="store_true", help="also the learner step")
-  parser.add_argument("--venvs", default=os.environ.get("PEER_VENVS", "/work/peer_venvs"))
-  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-  parser.add_argument("--keep", help="keep checkpoints and runner logs here")
   args = parser.parse_args()
-  print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
-        f"cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.rounds} "
-        f"rounds; rft_jax decode_slots={args.decode_slots}", flush=True)
-  results = {}
-  with tempfile.TemporaryDirectory() as tmp:
-    root = args.keep or tmp
-    for model in args.models:
-      results[model] = measure(model, root, args, CHILD_ENV, longtail=True,
-                               decode_slots=args.decode_slots)
-      print_details(model, results[model])
-  print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  results = measure_models(args, CHILD_ENV, f"; rft_jax decode_slots={args.decode_slots}",
+                           longtail=True, decode_slots=args.decode_slots)
   print_ratios(results, args.models, args.peers, args.work)
   if args.learner:
     from learner_longtail import main as learner_main

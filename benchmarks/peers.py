@@ -44,19 +44,15 @@ work loads the machine: give the load averages printed with a table.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CHILD_ENV = dict(os.environ)  # the runners' environment
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process's JAX only builds the batch
 
-from peers.contenders import CONTENDERS  # noqa: E402
-from peers.driver import measure  # noqa: E402
-from peers.report import WORKS, print_details, print_ratios  # noqa: E402
+from peers.driver import add_common_arguments, measure_models  # noqa: E402
+from peers.report import WORKS, print_ratios  # noqa: E402
 
 
 PEERS = ("transformers", "vllm", "tunix", "trl")
@@ -65,28 +61,11 @@ FIXED_WORKS = WORKS[:3]  # rollout, learner, e2e (benchmarks/longtail.py runs th
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", nargs="+", choices=("small", "large"), default=["small", "large"])
-  parser.add_argument("--rounds", type=int, default=5)
+  add_common_arguments(parser, rounds=5)
   parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
   parser.add_argument("--work", nargs="+", choices=FIXED_WORKS, default=list(FIXED_WORKS))
-  parser.add_argument("--venvs", default=os.environ.get("PEER_VENVS", "/work/peer_venvs"),
-                      help="where peers_setup.sh built the peers' virtualenvs")
-  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                      help="torch threads of the torch peers (default: the core count)")
-  parser.add_argument("--keep", help="keep checkpoints, runner logs and results (JSON) here")
   args = parser.parse_args()
-  print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
-        f"cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.rounds} "
-        f"rounds", flush=True)
-  results = {}
-  with tempfile.TemporaryDirectory() as tmp:
-    root = args.keep or tmp
-    for model in args.models:
-      results[model] = measure(model, root, args, CHILD_ENV)
-      print_details(model, results[model])
-      with open(os.path.join(root, f"{model}-results.json"), "w") as f:  # kept with --keep
-        json.dump([[*key, value] for key, value in results[model].items()], f)
-  print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  results = measure_models(args, CHILD_ENV)
   print_ratios(results, args.models, args.peers, args.work)
 
 

@@ -4,10 +4,43 @@ the contenders in turns, round by round, so that all see the same machine load."
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import tempfile
 
 from peers.contenders import CONTENDERS, Runner
+from peers.report import print_details
 from peers.spec import write_spec
+
+
+def add_common_arguments(parser, rounds: int) -> None:
+  """The drivers' shared options: models, rounds, the peers' virtualenvs, threads, --keep."""
+  parser.add_argument("--models", nargs="+", choices=("small", "large"), default=["small", "large"])
+  parser.add_argument("--rounds", type=int, default=rounds)
+  parser.add_argument("--venvs", default=os.environ.get("PEER_VENVS", "/work/peer_venvs"),
+                      help="where peers_setup.sh built the peers' virtualenvs")
+  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                      help="torch threads of the torch peers (default: the core count)")
+  parser.add_argument("--keep", help="keep checkpoints, runner logs and results (JSON) here")
+
+
+def measure_models(args, env: dict, note: str = "", **settings) -> dict:
+  """:func:`measure` of every model of ``args.models``, each one's table printed as it ends,
+  with the time, the core count and the load average before and after; ``{model: results}``."""
+  print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
+        f"cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.rounds} "
+        f"rounds{note}", flush=True)
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    root = args.keep or tmp
+    for model in args.models:
+      results[model] = measure(model, root, args, env, **settings)
+      print_details(model, results[model])
+      with open(os.path.join(root, f"{model}-results.json"), "w") as f:  # kept with --keep
+        json.dump([[*key, value] for key, value in results[model].items()], f)
+  print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  return results
 
 
 def measure(model: str, root: str, args, env: dict, **settings) -> dict:

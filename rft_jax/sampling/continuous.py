@@ -53,10 +53,9 @@ from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import Rules
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling import loop
-from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, cache_slots, constrain, cpu_attention_for,
-                                   decode_state)
+from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, DecodeSpec, cache_slots, constrain,
+                                   cpu_attention_for, decode_state)
 from rft_jax.sampling.params import SamplingParams
-from rft_jax.sampling.strategies import Strategy
 
 
 @flax.struct.dataclass
@@ -103,36 +102,16 @@ def pool_sizes(rows: int, decode_slots: int | None, stages: int, data: int = 1,
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolSpec:
-  """What shapes :func:`sample_pool` besides array shapes (hashable, a static argument).
+class PoolSpec(DecodeSpec):
+  """Continuous batching's :class:`~rft_jax.sampling.loop.DecodeSpec`, and ``slots``:
+  :func:`pool_sizes`, the pool's size at each stage."""
 
-  Attributes:
-    n: samples per prompt.
-    max_new_tokens: M.
-    stop_token_ids: tokens that end a sample.
-    strategy: greedy or not, truncation or not.
-    slots: :func:`pool_sizes`, the pool's size at each stage.
-    cache_dtype: the KV cache's dtype (None: the model's compute dtype).
-  """
-
-  n: int
-  max_new_tokens: int
-  stop_token_ids: tuple[int, ...]
-  strategy: Strategy
-  slots: tuple[int, ...]
-  cache_dtype: jnp.dtype | None = None
+  slots: tuple[int, ...] = ()
 
   @classmethod
   def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
-    return cls(params.n, params.max_new_tokens, params.stop_token_ids, Strategy.of(params),
-               pool_sizes(rows, params.decode_slots, params.pool_stages, data),
-               None if cache_dtype is None else jnp.dtype(cache_dtype))
-
-
-def _is_stop(tokens: Int[Array, "..."], stop_token_ids: tuple[int, ...]) -> Bool[Array, "..."]:
-  if not stop_token_ids:
-    return jnp.zeros(tokens.shape, bool)
-  return jnp.isin(tokens, jnp.asarray(stop_token_ids, jnp.int32))
+    return cls(slots=pool_sizes(rows, params.decode_slots, params.pool_stages, data),
+               **DecodeSpec.fields_of(params, cache_dtype))
 
 
 def _empty_pool_cache(model, slots: int, width: int, dtype) -> KVCache:
@@ -217,7 +196,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   logits = jnp.repeat(logits, n, axis=0, total_repeat_length=r)
   first, first_logp = spec.strategy(logits, uniforms[:, 0], temperature, top_k, top_p)
   real = jnp.repeat(live, n, total_repeat_length=r)
-  stopped = _is_stop(first, spec.stop_token_ids)
+  stopped = spec.is_stop(first)
   waiting = real & ~stopped & (m > 1)
   queue = jnp.argsort(~waiting, stable=True)  # the waiting samples first, in sample order
   queued = jnp.sum(waiting)
@@ -263,7 +242,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     u = uniforms[jnp.minimum(s.sample, r - 1), column]
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     target = jnp.where(s.running, s.sample, r)  # out of range: dropped
-    stop = _is_stop(tokens, spec.stop_token_ids)
+    stop = spec.is_stop(tokens)
     return s.replace(
         cache=constrain(cache, pool_axes, mesh, rules),
         steps=s.steps + 1,

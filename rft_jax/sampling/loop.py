@@ -74,11 +74,10 @@ def constrain(tree, axes, mesh: Mesh | None, rules: Rules):
 
 
 def _record(state: LoopState, tokens: Int[Array, "R"], logp: Float[Array, "R"],
-            stop_token_ids: tuple[int, ...]) -> LoopState:
-  """Writes the tokens of the rows still running at column ``step`` and advances."""
+            stopped: Bool[Array, "R"]) -> LoopState:
+  """Writes the tokens of the rows still running at column ``step`` and advances (``stopped``:
+  the tokens that end their rows)."""
   active = ~state.done
-  stopped = (jnp.isin(tokens, jnp.asarray(stop_token_ids, jnp.int32)) if stop_token_ids
-             else jnp.zeros_like(active))
   return state.replace(
       step=state.step + 1,
       last_tokens=tokens,
@@ -112,15 +111,14 @@ def segment_ends(max_new_tokens: int, segments: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopSpec:
-  """What shapes the compiled program besides array shapes (hashable, a static argument).
+class DecodeSpec:
+  """What shapes a compiled sampling program besides array shapes (hashable, a static argument).
 
   Attributes:
     n: samples per prompt.
     max_new_tokens: M.
     stop_token_ids: tokens that end a row.
     strategy: greedy or not, truncation or not.
-    segment_ends: :func:`segment_ends` of M.
     cache_dtype: the KV cache's dtype (None: the model's compute dtype).
   """
 
@@ -128,14 +126,33 @@ class LoopSpec:
   max_new_tokens: int
   stop_token_ids: tuple[int, ...]
   strategy: Strategy
-  segment_ends: tuple[int, ...]
   cache_dtype: jnp.dtype | None = None
+
+  @staticmethod
+  def fields_of(params: SamplingParams, cache_dtype=None) -> dict:
+    """The fields above, from the sampler parameters."""
+    return dict(n=params.n, max_new_tokens=params.max_new_tokens,
+                stop_token_ids=params.stop_token_ids, strategy=Strategy.of(params),
+                cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype))
+
+  def is_stop(self, tokens: Int[Array, "..."]) -> Bool[Array, "..."]:
+    """Whether each token ends its row."""
+    if not self.stop_token_ids:
+      return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(self.stop_token_ids, jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec(DecodeSpec):
+  """The static program's :class:`DecodeSpec`, and ``segment_ends``: :func:`segment_ends` of M."""
+
+  segment_ends: tuple[int, ...] = ()
 
   @classmethod
   def of(cls, params: SamplingParams, cache_dtype=None) -> LoopSpec:
-    return cls(params.n, params.max_new_tokens, params.stop_token_ids, Strategy.of(params),
-               segment_ends(params.max_new_tokens, params.cache_segments, params.min_segment_tokens),
-               None if cache_dtype is None else jnp.dtype(cache_dtype))
+    return cls(segment_ends=segment_ends(params.max_new_tokens, params.cache_segments,
+                                         params.min_segment_tokens),
+               **DecodeSpec.fields_of(params, cache_dtype))
 
 
 def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
@@ -210,7 +227,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       cache=None,
   )
   tokens, logp = spec.strategy(logits, uniforms[:, 0], temperature, top_k, top_p)
-  loop = _record(loop, tokens, logp, spec.stop_token_ids)
+  loop = _record(loop, tokens, logp, spec.is_stop(tokens))
 
   def body(s: LoopState) -> LoopState:
     if on_cpu:  # weight-first products, [V, B] logits (see rft_jax.models.feature_major)
@@ -222,7 +239,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     s = s.replace(cache=constrain(cache, axes, mesh, rules))
-    return _record(s, tokens, logp, spec.stop_token_ids)
+    return _record(s, tokens, logp, spec.is_stop(tokens))
 
   previous, repeats = prompt_cache, n
   for end in spec.segment_ends:
