@@ -1,13 +1,16 @@
 """Learner micro-batches by tokens (``learner.micro_batch_tokens``, ``rft_jax.rl.token_batches``):
 the plan, the packed forward, and the step equal to row micro-batches on a long-tailed batch."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from rft_jax.models import Qwen, QwenConfig
-from rft_jax.rl.learner import LearnerBatch
+from rft_jax.parallel import make_mesh, shard_model
+from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
+from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.losses import AGGREGATIONS, aggregate_loss, aggregation_weights, loss_normaliser
 from rft_jax.rl.token_batches import gather_tokens, packed_rows, row_spans, scatter_tokens, token_plan
 
@@ -40,6 +43,42 @@ def longtail_batch(rows=ROWS, seed=0) -> LearnerBatch:
                       advantages=jnp.asarray(advantages, jnp.float32),
                       sampler_logp=jnp.asarray(np.where(response_mask, -rng.exponential(2.0, attention.shape), 0.0),
                                                jnp.float32))
+
+
+def config(**kw):
+  # adam_eps = 1: Adam's first update is lr * g / (|g| + 1), about linear in the gradient, so equal
+  # updated parameters mean equal gradients (with a small epsilon it is lr * sign(g)).
+  base = dict(lr=0.1, adam_eps=1.0, micro_batch_size=8, max_grad_norm=None, forecast_every=0)
+  base.update(kw)
+  return LearnerConfig(**base)
+
+
+def run_step(cfg, batch, mesh=None):
+  """``(metrics, rows, [updated - initial parameter leaves] / lr)`` of one step."""
+  model = tiny_model()
+  start = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+  if mesh is not None:
+    model = shard_model(model, mesh)
+  learner = Learner(model, cfg, mesh=mesh)
+  state, metrics, rows = learner.step(learner.init(model), batch, rows=True)
+  moves = [(np.asarray(b) - a) / cfg.lr for a, b in zip(start, jax.tree.leaves(state.params))]
+  return metrics, rows, moves
+
+
+def assert_same_step(rows_step, tokens_step, masked=False):
+  (m1, r1, g1), (m2, r2, g2) = rows_step, tokens_step
+  assert set(m1) == set(m2)
+  for key in m1:
+    assert m2[key] == pytest.approx(m1[key], rel=2e-5, abs=1e-6), key
+  for key in r1:
+    np.testing.assert_allclose(r2[key], r1[key], rtol=2e-5, atol=1e-6, err_msg=key)
+  scale = max(float(np.max(np.abs(g))) for g in g1)
+  assert scale > 1e-3  # the parameters moved: the comparison below is not of zeros
+  for a, b in zip(g1, g2):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * scale)
+  assert m1["grad_norm"] > 1e-3 and m1["entropy"] > 0 and m1["response_tokens"] > 0
+  if masked:
+    assert 0 < m1["mask_frac"] < 1 and r1["masked_tokens"].sum() > 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -105,3 +144,54 @@ def test_aggregation_weights_equal_aggregate_loss(mode):
   # A normaliser of part of the batch (per micro-batch) would be caught.
   part = loss_normaliser(mask[:3], 12)
   assert abs(float(jnp.sum(x * aggregation_weights(mask, mode, part))) - float(expected)) > 1e-3 * abs(float(expected))
+
+
+# ------------------------------------------------------------------------------------------
+# The step: row micro-batches against token micro-batches.
+
+CASES = {
+    "token-mean": dict(),
+    "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
+    "clip_b": dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5)),
+    "clip_v": dict(entropy_mask=EntropyMaskConfig(kind="clip_v", mu_low=1.0, max_frac=0.05)),
+    "clip_b-mini-batches": dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5),
+                                mini_batches=2, ppo_epochs=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_token_micro_batches_equal_row_micro_batches(case):
+  batch = longtail_batch()
+  kw = CASES[case]
+  rows_step = run_step(config(**kw), batch)
+  tokens_step = run_step(config(micro_batch_tokens=2 * (PROMPT + COMPLETION), **kw), batch)
+  assert_same_step(rows_step, tokens_step, masked="entropy_mask" in kw)
+
+
+def test_token_micro_batches_on_the_data_parallel_mesh():
+  batch = longtail_batch(rows=64)
+  mesh = make_mesh(data=4, model=2)
+  kw = dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5), mini_batches=2)
+  rows_step = run_step(config(**kw), batch)
+  cfg = config(micro_batch_tokens=PROMPT + COMPLETION, **kw)  # one packed row, rounded up to 4
+  learner = Learner(shard_model(tiny_model(), mesh), cfg, mesh=mesh)
+  plan = learner.token_plan(batch)
+  assert plan.shape[2] == 4 and plan.sharding.spec[2] == "data"  # packed rows over the 4 data devices
+  assert plan.shape[1] >= 2  # several micro-batches per mini-batch
+  assert_same_step(rows_step, run_step(cfg, batch, mesh), masked=True)
+
+
+def test_a_wrong_aggregation_would_be_caught():
+  """The comparison's tolerance is far below what a normalisation mistake changes."""
+  batch = longtail_batch()
+  token_mean = run_step(config(micro_batch_tokens=2 * (PROMPT + COMPLETION)), batch)
+  seq_mean = run_step(config(loss_agg="seq-mean-token-mean"), batch)
+  with pytest.raises(AssertionError):
+    assert_same_step(seq_mean, token_mean)
+
+
+def test_micro_batch_tokens_is_validated():
+  with pytest.raises(ValueError, match="learner.micro_batch_tokens must be a positive integer or null, got 0"):
+    LearnerConfig(micro_batch_tokens=0)
+  with pytest.raises(ValueError, match="learner.micro_batch_tokens"):
+    LearnerConfig(micro_batch_tokens=2.5)
