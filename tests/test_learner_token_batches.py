@@ -150,7 +150,7 @@ def test_aggregation_weights_equal_aggregate_loss(mode):
 # The step: row micro-batches against token micro-batches.
 
 CASES = {
-    "token-mean": dict(),
+    "token-mean": dict(forecast_every=1),  # and the measured entropy change and its forecasts
     "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
     "clip_b": dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5)),
     "clip_v": dict(entropy_mask=EntropyMaskConfig(kind="clip_v", mu_low=1.0, max_frac=0.05)),
@@ -195,3 +195,28 @@ def test_micro_batch_tokens_is_validated():
     LearnerConfig(micro_batch_tokens=0)
   with pytest.raises(ValueError, match="learner.micro_batch_tokens"):
     LearnerConfig(micro_batch_tokens=2.5)
+
+
+def test_lower_step_takes_the_largest_token_plan():
+  """``rft-jax plan`` compiles the step without data: the plan is abstract, as if every row were full."""
+  model = tiny_model()
+  batch = longtail_batch()
+  learner = Learner(model, config(micro_batch_tokens=2 * (PROMPT + COMPLETION), mini_batches=2))
+  plan = learner.abstract_token_plan(batch)
+  assert plan.shape == (2, 8, 2, PROMPT + COMPLETION)  # 16 rows per mini-batch, 2 per micro-batch
+  compiled = learner.lower_step(learner.init(model), batch).compile()
+  assert compiled.memory_analysis() is not None
+
+
+def test_a_run_config_with_token_micro_batches_needs_only_mini_batches_to_divide_the_rollouts():
+  from rft_jax.train.config import ConfigError, load_config
+
+  required = ["model.path=/m", "data.train_path=/d.jsonl"]
+  # 7 rows per micro-batch does not divide the rollouts; with token micro-batches it is unused.
+  cfg = load_config(None, required + ["learner.micro_batch_size=7", "learner.micro_batch_tokens=4096"])
+  assert cfg.learner.micro_batch_tokens == 4096
+  rollouts = cfg.data.prompts_per_step * cfg.sampling.n
+  with pytest.raises(ConfigError, match="learner.mini_batches"):
+    load_config(None, required + [f"learner.mini_batches={rollouts + 1}", "learner.micro_batch_tokens=4096"])
+  with pytest.raises(ConfigError, match="learner.micro_batch_tokens must be a positive integer or null, got -1"):
+    load_config(None, required + ["learner.micro_batch_tokens=-1"])

@@ -30,7 +30,7 @@ LOCK_FILE = "trainer.lock"
 CHANGEABLE_ON_RESUME = ("run_dir", "steps", "progress", "checkpoint_every", "keep_checkpoints",
                         "compilation_cache_dir", "max_nonfinite_steps", "eval.", "mesh.",
                         "model.remat", "model.attention", "sampling.max_rollouts_per_call",
-                        "learner.micro_batch_size", "learner.stats_chunk_size",
+                        "learner.micro_batch_size", "learner.micro_batch_tokens", "learner.stats_chunk_size",
                         "learner.forecast_every", "log_rollouts_every", "logging.")
 # What belongs to a run (deleted by overwrite).
 RUN_FILES = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "tensorboard", "rollouts.jsonl",
