@@ -61,13 +61,14 @@ def attend(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], v: Float[Arra
 
 
 def blockwise_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"],
-                             v: Float[Array, "B T K H"], valid: Bool[Array, "B T"], *,
+                             v: Float[Array, "B T K H"], valid: Bool[Array, "B T"] | Int[Array, "B T"], *,
                              block_size: int = ATTENTION_BLOCK) -> Float[Array, "B T N H"]:
   r"""Causal self-attention, ``block_size`` queries at a time: memory linear in T.
 
   Query ``t`` sees key ``s`` iff ``s <= t`` and ``valid[b, s] == valid[b, t]``: a real query
   sees the real keys up to itself (the mask of :func:`causal_padding_mask`), a padding query the
-  padding keys up to itself (so its unused output is finite). Each block of queries is
+  padding keys up to itself (so its unused output is finite). ``valid`` may also be int segment
+  ids (packed rows: 0 on padding, ``k > 0`` per sequence): a query then sees its own segment. Each block of queries is
   :func:`attend` against all T keys, under ``jax.checkpoint``: the forward pass keeps no
   block's scores and the backward pass recomputes one block at a time, so the largest
   temporaries are ``[B, N, block_size, T]`` instead of ``[B, N, T, T]``. Keys after a block
@@ -94,8 +95,8 @@ def blockwise_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K 
   return out.swapaxes(0, 1).reshape(b, t + pad, n, h)[:, :t]
 
 
-def _self_mask(query_index: Int[Array, "T"], query_valid: Bool[Array, "B T"],
-               key_valid: Bool[Array, "B S"]) -> Bool[Array, "B T S"]:
+def _self_mask(query_index: Int[Array, "T"], query_valid: Bool[Array, "B T"] | Int[Array, "B T"],
+               key_valid: Bool[Array, "B S"] | Int[Array, "B S"]) -> Bool[Array, "B T S"]:
   causal = jnp.arange(key_valid.shape[1])[None, :] <= query_index[:, None]
   return causal[None] & (query_valid[:, :, None] == key_valid[:, None, :])
 
@@ -118,7 +119,7 @@ def attention_kind(kind: str, platform: str, dtype) -> str:
 
 
 def causal_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"],
-                          v: Float[Array, "B T K H"], valid: Bool[Array, "B T"], *,
+                          v: Float[Array, "B T K H"], valid: Bool[Array, "B T"] | Int[Array, "B T"], *,
                           kind: str = "auto", mesh: Mesh | None = None
                           ) -> Float[Array, "B T N H"]:
   """Causal self-attention of a padded batch with the implementation ``kind`` chooses.
@@ -129,10 +130,17 @@ def causal_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"]
   splash kernel runs per device under ``shard_map`` on it. The cuDNN path needs each row's
   real tokens to be contiguous (left and/or right padding only), as the learner's and the
   sampler's rows are.
+
+  ``valid`` may instead be ``[B, T]`` int segment ids (packed rows, several sequences per row:
+  0 on padding, ``k > 0`` per sequence): a query sees the earlier keys of its own segment. The
+  reference, blockwise and splash paths take them as they are; cuDNN's masks only padding, so
+  packed rows run blockwise there.
   """
   platform = (next(iter(mesh.devices.flat)).platform if mesh is not None
               else jax.default_backend())
   kind = attention_kind(kind, platform, q.dtype)
+  if kind == "cudnn" and valid.dtype != jnp.bool_:
+    kind = "blockwise"
   if kind == "reference":
     return attend(q, k, v, _self_mask(jnp.arange(q.shape[1]), valid, valid))
   if kind == "blockwise":

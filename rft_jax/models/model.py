@@ -246,22 +246,33 @@ class Qwen(nnx.Module):
   # Full forward.
 
   def __call__(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None = None,
-               positions: Int[Array, "B T"] | None = None, *, return_hidden: bool = False,
-               mesh: Mesh | None = None) -> Float[Array, "B T V"] | Float[Array, "B T D"]:
+               positions: Int[Array, "B T"] | None = None, *, segment_ids: Int[Array, "B T"] | None = None,
+               return_hidden: bool = False, mesh: Mesh | None = None
+               ) -> Float[Array, "B T V"] | Float[Array, "B T D"]:
     """Logits (float32) of every position, or the final normed hidden states.
 
     Args:
       input_ids: token ids, left-padded when rows differ in length.
       attention_mask: 1 for tokens, 0 for padding; all ones when omitted.
       positions: RoPE positions; ``positions_from_mask(attention_mask)`` when omitted.
+      segment_ids: packed rows (``rft_jax.rl.token_batches``): several sequences per row, 0 on
+        padding, ``k > 0`` on the tokens of the row's ``k``-th sequence; a query attends to the
+        earlier keys of its own segment only. Replaces ``attention_mask`` and needs
+        ``positions`` (each sequence's own).
       return_hidden: return ``[B, T, D]`` hidden states after the final norm instead of logits.
       mesh: the mesh the inputs and parameters are laid out on (see the module docstring).
     """
-    if attention_mask is None:
-      attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    if positions is None:
-      positions = positions_from_mask(attention_mask)
-    hidden = self._layers(self._embed(input_ids), positions, attention_mask.astype(jnp.bool_), mesh)
+    if segment_ids is not None:
+      if positions is None:
+        raise ValueError("Qwen: segment_ids (packed rows) need each sequence's positions")
+      valid = segment_ids.astype(jnp.int32)
+    else:
+      if attention_mask is None:
+        attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+      if positions is None:
+        positions = positions_from_mask(attention_mask)
+      valid = attention_mask.astype(jnp.bool_)
+    hidden = self._layers(self._embed(input_ids), positions, valid, mesh)
     return hidden if return_hidden else self.logits(hidden)
 
   # ------------------------------------------------------------------------------------------

@@ -171,6 +171,11 @@ class LearnerConfig:
     max_grad_norm: global-norm gradient clipping (None: off).
     mini_batches: optimizer steps per batch of rollouts; ppo_epochs: passes.
     micro_batch_size: sequences per gradient-accumulation step (per mini-batch).
+    micro_batch_tokens: micro-batches by tokens instead (``rft_jax.rl.token_batches``): each
+      mini-batch's rows packed, several sequences per row, into micro-batches of about this many
+      token slots (``micro_batch_tokens // L`` rows of the batch's width ``L``, at least one per
+      data-parallel device); the padding of long-tailed rollouts is not computed, the results
+      are those of row micro-batches. None: row micro-batches of ``micro_batch_size``.
     temperature: sampling temperature T of the rollouts; every statistic and log p
       is of softmax(z / T). None: 1.0 standalone; in a run, taken from sampling.temperature.
     stats_chunk_size: positions per chunk of ``token_stats``.
@@ -206,6 +211,7 @@ class LearnerConfig:
   mini_batches: int = 1
   ppo_epochs: int = 1
   micro_batch_size: int = 8
+  micro_batch_tokens: Optional[int] = None
   temperature: Optional[float] = None
   stats_chunk_size: int = 512
   forecast_every: int = 0
@@ -229,6 +235,10 @@ class LearnerConfig:
       _positive(f"learner.{name}", getattr(self, name))
     for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "forecast_every"):
       _positive(f"learner.{name}", getattr(self, name), allow_zero=True)
+    if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or
+                                                not isinstance(self.micro_batch_tokens, int) or
+                                                self.micro_batch_tokens <= 0):
+      raise ValueError(f"learner.micro_batch_tokens must be a positive integer or null, got {self.micro_batch_tokens!r}")
     if self.dual_clip is not None and self.dual_clip <= 1:
       raise ValueError(f"learner.dual_clip must be > 1, got {self.dual_clip}")
     if self.dual_clip is not None and self.entropy_method.kind in ("clip_cov", "kl_cov"):

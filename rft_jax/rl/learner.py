@@ -33,6 +33,16 @@ mask, no entropy method): each micro-batch's statistics come from its gradient's
 Batches are split into micro-batches by striding rows (micro-batch ``i`` holds rows
 ``i, i + n, ...``) so that each micro-batch stays spread over the data-parallel devices.
 
+With ``learner.micro_batch_tokens`` set, micro-batches are made of tokens instead
+(``rft_jax.rl.token_batches``): each mini-batch's rows are packed, several sequences per row
+(segment ids, each sequence's own RoPE positions), into micro-batches of ``r`` rows of the batch's
+width, and scanned like row micro-batches; a plan of ``[M, n, r, L]`` token indices, made on the
+host by :meth:`Learner.token_plan`, is an argument of the compiled step. The statistics are
+scattered back to the batch's ``[B, L-1-p]`` layout, where the entropy mask, the loss normaliser
+(as per-token aggregation weights, ``rft_jax.rl.losses.aggregation_weights``), the metrics and
+the per-row statistics are computed exactly as with row micro-batches; only the padding the rows
+carried is not computed. Padding is what long-tailed rollouts are mostly made of.
+
 Statistics and log-probs are computed only from the batch's first completion column on
 (:func:`first_response_column`, a static argument of the compiled step found on the host): the
 prompt positions still run through the decoder (the completion attends to them), but not through
@@ -65,9 +75,17 @@ from rft_jax.rl.batching import (
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.entropy_mask import entropy_keep_mask, entropy_target_cut
 from rft_jax.rl.entropy_methods import MethodTokens, method_policy_loss, method_tokens
-from rft_jax.rl.losses import aggregate_loss, kl_penalty, loss_normaliser, ppo_clipped_loss
+from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser, ppo_clipped_loss
 from rft_jax.rl.nonfinite import keep_if_finite
 from rft_jax.rl.optimizer import make_optimizer, optimizer_shardings
+from rft_jax.rl.token_batches import (
+    PackedRows,
+    gather_tokens,
+    packed_row_count,
+    packed_rows,
+    scatter_tokens,
+    token_plan,
+)
 
 
 @flax.struct.dataclass
@@ -224,17 +242,38 @@ class Learner:
                        temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
                        entropy_grad=entropy_grad)
 
+  def _packed_token_stats(self, params, packed: PackedRows, entropy_grad=False):
+    """``token_stats`` ``[r, W]`` of packed rows (``rft_jax.rl.token_batches``): every slot, the
+    statistic of predicting ``packed.targets`` (meaningful where ``packed.stat_index`` maps)."""
+    model = nnx.merge(self.graphdef, params, self._rest)
+    hidden = model(packed.input_ids, positions=packed.positions, segment_ids=packed.segment_ids,
+                   return_hidden=True, mesh=self.mesh)
+    return token_stats(hidden, packed.targets, unembedding=model.unembedding(),
+                       temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
+                       entropy_grad=entropy_grad)
+
   def _micro_batches(self, batch_size: int) -> int:
     if batch_size % self.config.micro_batch_size:
       raise ValueError(f"batch of {batch_size} sequences does not split into micro-batches of "
                        f"learner.micro_batch_size={self.config.micro_batch_size}")
     return batch_size // self.config.micro_batch_size
 
-  def batch_stats(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False):
+  def batch_stats(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False,
+                  token_index: jax.Array | None = None):
     """``token_stats`` of ``batch``'s next-token positions predicting the tokens of columns
     ``max(stats_from_column, 1) ..`` (``[B, L-1-p]``, ``p = first_stats_position(stats_from_column)``;
     ``[B, L-1]`` by default), micro-batch by micro-batch; ``entropy_grad``: the entropy carries
-    derivatives (``token_stats``)."""
+    derivatives (``token_stats``). ``token_index``: the ``[M, n, r, L]`` plan of
+    :meth:`token_plan`: packed micro-batches (0 where a position predicts no real token)."""
+    if token_index is not None:
+      rows, width = batch.input_ids.shape
+      first_position = first_stats_position(stats_from_column)
+      parts = token_index.reshape(-1, *token_index.shape[2:])  # [M * n, r, L]
+      packed = PackedRows(*(self._shard_batch(x) for x in packed_rows(
+          parts, batch.input_ids, batch.attention_mask, first_position)))
+      stats = jax.lax.map(lambda p: self._packed_token_stats(params, p, entropy_grad), packed)
+      shape = (rows, width - 1 - first_position)
+      return jax.tree.map(lambda x: scatter_tokens(x, packed.stat_index, shape), stats)
     n = self._micro_batches(batch.input_ids.shape[0])
     ids, attn = (self._shard_batch(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
     first_position = first_stats_position(stats_from_column)
@@ -249,21 +288,28 @@ class Learner:
     return loss_normaliser(loss_mask, self.config.max_len or input_ids.shape[1] - 1)
 
   def _loss_terms(self, stats, micro, normaliser, old_logp):
-    """The micro-batch's loss (policy term, KL, entropy bonus) and its clip counts."""
+    """The micro-batch's loss (policy term, KL, entropy bonus) and its clip counts. ``normaliser``:
+    the mini-batch's ``LossNormaliser``, or None for packed rows, whose ``micro["loss_weight"]``
+    (``aggregation_weights``) holds it."""
     c = self.config
     mask = micro["loss_mask"]
+    if normaliser is None:
+      weight = micro["loss_weight"]
+      aggregate = lambda x, mask, mode, normaliser: jnp.sum(jnp.where(weight != 0, x * weight, 0.0))
+    else:
+      aggregate = aggregate_loss
     terms = ppo_clipped_loss(stats.logp, old_logp, micro["advantages"], eps_low=c.eps_low,
                              eps_high=c.eps_high, dual_clip=c.dual_clip)
     policy_loss = terms.loss
     if c.entropy_method.kind != "none":
       tokens = MethodTokens(micro["method_weight"], micro["method_penalised"])
       policy_loss = method_policy_loss(c, terms.loss, stats.logp, old_logp, micro["advantages"], mask, tokens)
-    loss = aggregate_loss(policy_loss, mask, c.loss_agg, normaliser)
+    loss = aggregate(policy_loss, mask, c.loss_agg, normaliser)
     if c.kl_coef > 0:
-      loss += c.kl_coef * aggregate_loss(kl_penalty(stats.logp, micro["ref_logp"], c.kl_estimator),
-                                         mask, c.loss_agg, normaliser)
+      loss += c.kl_coef * aggregate(kl_penalty(stats.logp, micro["ref_logp"], c.kl_estimator),
+                                    mask, c.loss_agg, normaliser)
     if c.entropy_coef > 0:
-      loss -= c.entropy_coef * aggregate_loss(stats.entropy, mask, c.loss_agg, normaliser)
+      loss -= c.entropy_coef * aggregate(stats.entropy, mask, c.loss_agg, normaliser)
     valid = mask > 0
     counts = {
         "clipped_low": jnp.sum(terms.clipped_low & valid),
@@ -274,9 +320,14 @@ class Learner:
     return loss, counts
 
   def _micro_loss(self, params, micro, normaliser, first_update, first_position):
-    """The micro-batch's loss; aux: its clip counts and (stop-gradient) statistics."""
-    stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
-                              entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
+    """The micro-batch's loss; aux: its clip counts and (stop-gradient) statistics. A packed
+    micro-batch (``micro`` holds ``segment_ids``; ``normaliser`` None) runs its packed rows."""
+    if "segment_ids" in micro:
+      packed = PackedRows(*(micro[k] for k in PackedRows._fields))
+      stats = self._packed_token_stats(params, packed, entropy_grad=self.config.entropy_coef > 0)
+    else:
+      stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
+                                entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     loss, counts = self._loss_terms(stats, micro, normaliser, old_logp)
     return loss, (counts, jax.lax.stop_gradient(stats))
@@ -310,14 +361,31 @@ class Learner:
     params = optax.apply_updates(state.params, updates)
     return TrainState(params=params, opt_state=opt_state, step=state.step), optax.tree.norm(grads)
 
+  def _packed_micro_batches(self, mini: dict, token_index, first_position: int, row_stride: int) -> dict:
+    """A mini-batch's per-token arrays (``[b, T]``) as packed micro-batches ``[n, r, L]`` by its
+    plan ``token_index`` (``[n, r, L]``; ``row_stride``: see ``packed_rows``), with the packed
+    rows' fields and ``loss_weight``, the loss normaliser as per-token weights."""
+    normaliser = self._loss_normaliser(mini["loss_mask"], mini["input_ids"])
+    per_token = dict(mini, loss_weight=aggregation_weights(mini["loss_mask"], self.config.loss_agg, normaliser))
+    packed = packed_rows(token_index, mini["input_ids"], mini["attention_mask"], first_position, row_stride)
+    micros = {k: gather_tokens(v, packed.stat_index) for k, v in per_token.items()
+              if k not in ("input_ids", "attention_mask")}
+    micros.update(packed._asdict())
+    return {k: self._shard_batch(v) for k, v in micros.items()}
+
   def _update(self, state: TrainState, mini: dict, first_update: bool, first_position: int,
-              with_stats: bool = False):
+              with_stats: bool = False, token_index=None, row_stride: int = 1):
     """One optimizer step on a mini-batch, accumulating over its micro-batches: ``(state, loss,
     grad_norm, counts)``, and with ``with_stats`` the mini-batch's ``[b, T]`` statistics of the
-    forward passes the gradients were taken through."""
-    n = self._micro_batches(mini["input_ids"].shape[0])
-    normaliser = self._loss_normaliser(mini["loss_mask"], mini["input_ids"])
-    micros = {k: self._shard_batch(split_rows(v, n)) for k, v in mini.items()}
+    forward passes the gradients were taken through. ``token_index``: the mini-batch's ``[n, r,
+    L]`` part of :meth:`token_plan` (packed micro-batches; ``row_stride``: ``mini_batches``)."""
+    if token_index is None:
+      n = self._micro_batches(mini["input_ids"].shape[0])
+      normaliser = self._loss_normaliser(mini["loss_mask"], mini["input_ids"])
+      micros = {k: self._shard_batch(split_rows(v, n)) for k, v in mini.items()}
+    else:
+      normaliser = None
+      micros = self._packed_micro_batches(mini, token_index, first_position, row_stride)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def accumulate(carry, micro):
@@ -333,6 +401,10 @@ class Learner:
     init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zero_counts)
     (grads, loss, counts), stats = jax.lax.scan(accumulate, init, micros)
     state, grad_norm = self._apply(state, grads)
+    if with_stats and token_index is not None:
+      shape = (mini["input_ids"].shape[0], mini["loss_mask"].shape[1])
+      return state, loss, grad_norm, counts, jax.tree.map(
+          lambda x: scatter_tokens(x, micros["stat_index"], shape), stats)
     if with_stats:
       return state, loss, grad_norm, counts, jax.tree.map(merge_rows, stats)
     return state, loss, grad_norm, counts
@@ -341,8 +413,12 @@ class Learner:
   # The compiled step.
 
   def is_single_pass(self, batch_size: int) -> bool:
-    """Whether a step on ``batch_size`` rows takes one forward pass (one update, one micro-batch)."""
+    """Whether a step on ``batch_size`` rows takes one forward pass (one update, one micro-batch of
+    rows; with ``micro_batch_tokens`` never: packed micro-batches share a forward pass only as
+    :meth:`shares_forward_pass` says)."""
     c = self.config
+    if c.micro_batch_tokens is not None:
+      return False
     return c.mini_batches == 1 and c.ppo_epochs == 1 and self._micro_batches(batch_size) == 1
 
   def shares_forward_pass(self, batch_size: int) -> bool:
@@ -354,7 +430,8 @@ class Learner:
     local = c.entropy_mask.kind == "none" and c.entropy_method.kind == "none"
     return c.mini_batches == 1 and c.ppo_epochs == 1 and (local or self.is_single_pass(batch_size))
 
-  def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int) -> jax.Array | None:
+  def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int,
+                      token_index=None) -> jax.Array | None:
     """``[B, L-1-p]`` reference log-probs of the tokens from column ``stats_from_column`` on (see
     :meth:`batch_stats`): ``batch.ref_logp`` if given, else (``kl_coef > 0``) a no-gradient pass
     of the reference parameters at the sampling temperature, micro-batch by micro-batch like the
@@ -366,12 +443,14 @@ class Learner:
     if reference is None:
       raise ValueError("learner.kl_coef > 0 needs reference log-probs: the learner's reference "
                        "parameters (set by Learner.init) or batch.ref_logp")
-    return jax.lax.stop_gradient(self.batch_stats(reference, batch, stats_from_column).logp)
+    return jax.lax.stop_gradient(self.batch_stats(reference, batch, stats_from_column, token_index=token_index).logp)
 
   def _train_step_fn(self, state: TrainState, batch: LearnerBatch, reference=None,
-                     stats_from_column: int = 0):
+                     stats_from_column: int = 0, token_index=None):
     """The step; ``stats_from_column`` (static): no column before it holds a completion token
-    (:func:`first_response_column`), so per-token arrays start at the position predicting it."""
+    (:func:`first_response_column`), so per-token arrays start at the position predicting it.
+    ``token_index``: the ``[M, n, r, L]`` plan of :meth:`token_plan` (packed micro-batches) or
+    None (row micro-batches)."""
     c = self.config
     start = state
     first_position = first_stats_position(stats_from_column)
@@ -382,7 +461,7 @@ class Learner:
     else:
       advantages = batch.advantages[:, None].astype(jnp.float32) * jnp.ones_like(response)
     per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages}
-    ref_logp = self._reference_logp(batch, reference, stats_from_column)
+    ref_logp = self._reference_logp(batch, reference, stats_from_column, token_index)
     if c.kl_coef > 0:
       per_token["ref_logp"] = ref_logp
     sampler_logp = batch.sampler_logp[:, targets]
@@ -396,11 +475,13 @@ class Learner:
       loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
     elif self.shares_forward_pass(batch.input_ids.shape[0]):  # every token in the loss
       per_token = dict(per_token, loss_mask=response)
-      state, loss, grad_norm, counts, stats = self._update(state, per_token, True, first_position, with_stats=True)
+      state, loss, grad_norm, counts, stats = self._update(
+          state, per_token, True, first_position, with_stats=True,
+          token_index=None if token_index is None else token_index[0])
       _, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask, losses, grad_norms, updates_done = response, [loss], [grad_norm], 1
     else:
-      stats = self.batch_stats(state.params, batch, stats_from_column)
+      stats = self.batch_stats(state.params, batch, stats_from_column, token_index=token_index)
       per_token, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask = per_token["loss_mask"]
       per_token["old_logp"] = stats.logp
@@ -411,7 +492,9 @@ class Learner:
         minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
         for i in range(c.mini_batches):
           mini = {k: v[i] for k, v in minis.items()}
-          state, loss, grad_norm, mini_counts = self._update(state, mini, updates_done == 0, first_position)
+          state, loss, grad_norm, mini_counts = self._update(
+              state, mini, updates_done == 0, first_position,
+              token_index=None if token_index is None else token_index[i], row_stride=c.mini_batches)
           losses.append(loss)
           grad_norms.append(grad_norm)
           counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
@@ -457,13 +540,14 @@ class Learner:
             "s_star_mean": jnp.sum(jnp.where(valid, stats.s_star, 0.0), axis=1) / tokens,
             "masked_tokens": jnp.sum(masked, axis=1)}
 
-  def _mean_entropy_fn(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False):
-    stats = self.batch_stats(params, batch, stats_from_column, entropy_grad)
+  def _mean_entropy_fn(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False,
+                       token_index=None):
+    stats = self.batch_stats(params, batch, stats_from_column, entropy_grad, token_index)
     targets = slice(first_stats_position(stats_from_column) + 1, None)
     valid = batch.response_mask[:, targets] * batch.attention_mask[:, targets]
     return masked_mean(stats.entropy, valid)
 
-  def _entropy_change_fn(self, before, after, batch: LearnerBatch, stats_from_column: int = 0):
+  def _entropy_change_fn(self, before, after, batch: LearnerBatch, stats_from_column: int = 0, token_index=None):
     r"""``(H(after), dH)``: the token-mean entropy of ``batch``'s responses under parameters
     ``after``, and the exact first-order change of the entropy under the update applied,
     :math:`
@@ -474,15 +558,17 @@ abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
     step; this is what the shared parameters actually do to first order, so the two forecasts'
     ratio measures how much the coupling through the weights changes the paper's picture."""
     tangent = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), after, before)
-    _, first_order = jax.jvp(lambda p: self._mean_entropy_fn(p, batch, stats_from_column, entropy_grad=True),
-                             (before,), (tangent,))
-    return self._mean_entropy_fn(after, batch, stats_from_column), first_order
+    _, first_order = jax.jvp(
+        lambda p: self._mean_entropy_fn(p, batch, stats_from_column, entropy_grad=True, token_index=token_index),
+        (before,), (tangent,))
+    return self._mean_entropy_fn(after, batch, stats_from_column, token_index=token_index), first_order
 
   def _compile(self, state: TrainState, batch: LearnerBatch, reference=None):
     """``jax.jit`` of the step with explicit shardings when a mesh is given: the state keeps
     the layout it has (parameters as placed by ``rft_jax.parallel``), the reference keeps its
     own (the parameters'; never donated), batch rows are split over the data axis and metrics
-    are replicated. Its fourth argument, ``stats_from_column``, is static."""
+    are replicated. Its fourth argument, ``stats_from_column``, is static; its fifth, the token
+    plan (with ``micro_batch_tokens``), has its packed rows over the data axis."""
     if self.mesh is None:
       return jax.jit(self._train_step_fn, donate_argnums=0, static_argnums=3)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -490,9 +576,44 @@ abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
     rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
     batch_shardings = jax.tree.map(lambda _: rows, batch)
     replicated = NamedSharding(self.mesh, PartitionSpec())
+    plan_sharding = self._plan_sharding() if self.config.micro_batch_tokens is not None else None
     return jax.jit(self._train_step_fn, donate_argnums=0, static_argnums=3,
-                   in_shardings=(state_shardings, batch_shardings, reference_shardings),
+                   in_shardings=(state_shardings, batch_shardings, reference_shardings, plan_sharding),
                    out_shardings=(state_shardings, replicated, replicated))
+
+  def _plan_sharding(self) -> NamedSharding | None:
+    """The layout of a ``[M, n, r, L]`` token plan: packed rows ``r`` over the data axis."""
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, PartitionSpec(None, None, self.data_axis))
+
+  def token_plan(self, batch: LearnerBatch) -> jax.Array | None:
+    """The ``[M, n, r, L]`` int32 token plan of ``batch`` (``rft_jax.rl.token_batches.token_plan``,
+    made on the host from its attention mask; ``r`` a multiple of the data-parallel devices),
+    placed on the mesh; None without ``micro_batch_tokens``."""
+    c = self.config
+    if c.micro_batch_tokens is None:
+      return None
+    mask = batch.attention_mask
+    mask = host_array(mask) if isinstance(mask, jax.Array) else np.asarray(mask)
+    index = token_plan(mask, micro_batch_tokens=c.micro_batch_tokens, mini_batches=c.mini_batches,
+                       row_multiple=self._data_devices())
+    return jnp.asarray(index) if self.mesh is None else global_array(index, self._plan_sharding())
+
+  def _data_devices(self) -> int:
+    return 1 if self.mesh is None else self.mesh.shape[self.data_axis]
+
+  def abstract_token_plan(self, batch: LearnerBatch) -> jax.ShapeDtypeStruct | None:
+    """A token plan's shape for ``batch``'s shape, as if every row were full (the most micro-batches
+    a step of this shape takes; the memory of the step does not depend on their number)."""
+    c = self.config
+    if c.micro_batch_tokens is None:
+      return None
+    rows, width = batch.input_ids.shape
+    per_micro = packed_row_count(c.micro_batch_tokens, width, self._data_devices())
+    micro_batches = -(-(rows // c.mini_batches) // per_micro)
+    return jax.ShapeDtypeStruct((c.mini_batches, micro_batches, per_micro, width), jnp.int32,
+                                sharding=self._plan_sharding())
 
   def _step_reference(self, batch: LearnerBatch, reference=None, state: TrainState | None = None):
     """The reference parameters a step on ``batch`` takes: None unless ``kl_coef > 0`` and the
@@ -519,7 +640,8 @@ abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
     ``stats_from_column``: the batch's :func:`first_response_column` (0, the default, gives the
     statistics of every position: an upper bound on the step's memory)."""
     reference = self._step_reference(batch, reference, state)
-    return self._compile(state, batch, reference).lower(state, batch, reference, stats_from_column)
+    return self._compile(state, batch, reference).lower(state, batch, reference, stats_from_column,
+                                                        self.abstract_token_plan(batch))
 
   def place_batch(self, batch: LearnerBatch) -> LearnerBatch:
     """``batch`` as global arrays with rows over the data axis (unchanged without a mesh).
@@ -551,15 +673,16 @@ abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
     every = self.config.forecast_every
     measure = every > 0 and int(host_array(state.step)) % every == 0
     column = first_response_column(batch.response_mask)
+    token_index = self.token_plan(batch)
     batch = self.place_batch(batch)
     reference = self._step_reference(batch)
     if self._train_step is None:
       self._train_step = self._compile(state, batch, reference)
     before = jax.tree.map(jnp.copy, state.params) if measure else None  # the step donates state
-    new_state, metrics, row_stats = self._train_step(state, batch, reference, column)
+    new_state, metrics, row_stats = self._train_step(state, batch, reference, column, token_index)
     metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:
-      after, first_order = self._entropy_change(before, new_state.params, batch, column)
+      after, first_order = self._entropy_change(before, new_state.params, batch, column, token_index)
       metrics["entropy_change_measured"] = float(host_array(after)) - metrics["entropy"]
       metrics["entropy_change_first_order"] = float(host_array(first_order))
     if rows:
@@ -569,4 +692,6 @@ abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
   def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:
     """Token-mean entropy of the policy on ``batch``'s response tokens."""
     column = first_response_column(batch.response_mask)
-    return float(host_array(self._mean_entropy(state.params, self.place_batch(batch), column)))
+    token_index = self.token_plan(batch)
+    return float(host_array(self._mean_entropy(state.params, self.place_batch(batch), column,
+                                               token_index=token_index)))

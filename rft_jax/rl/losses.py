@@ -115,6 +115,22 @@ def aggregate_loss(
   raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATIONS}")
 
 
+def aggregation_weights(mask: Array, mode: str, normaliser: LossNormaliser) -> Float[Array, "B T"]:
+  """``[B, T]`` per-token weights ``w`` with ``aggregate_loss(x, mask, mode, normaliser) ==
+  sum(x * w)`` (to float32 rounding): an aggregation that no longer needs the rows, for a loss
+  whose tokens were moved to another layout (packed rows, ``rft_jax.rl.token_batches``)."""
+  mask = mask.astype(jnp.float32)
+  if mode == "token-mean":
+    return mask / normaliser.tokens
+  if mode == "seq-mean-token-mean":
+    return mask / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0) / normaliser.sequences
+  if mode == "seq-mean-token-sum":
+    return mask / normaliser.sequences
+  if mode == "seq-mean-token-sum-norm":
+    return mask / (normaliser.sequences * normaliser.max_len)
+  raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATIONS}")
+
+
 def _k1(log_ratio):
   return -log_ratio
 

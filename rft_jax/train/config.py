@@ -263,8 +263,11 @@ class TrainConfig:
     if self.data.val_size < 0:
       raise ConfigError(f"data.val_size must be >= 0, got {self.data.val_size}")
     rollouts = self.data.prompts_per_step * self.sampling.n
-    per_update = self.learner.micro_batch_size * self.learner.mini_batches
-    if rollouts % per_update:
+    if self.learner.micro_batch_tokens is not None:  # packed micro-batches: any rows per mini-batch
+      if rollouts % self.learner.mini_batches:
+        raise ConfigError(f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
+                          f"learner.mini_batches={self.learner.mini_batches}")
+    elif rollouts % (self.learner.micro_batch_size * self.learner.mini_batches):
       raise ConfigError(
           f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
           f"learner.mini_batches={self.learner.mini_batches} x learner.micro_batch_size="
@@ -272,7 +275,8 @@ class TrainConfig:
     if self.learner.advantage == "gae" and rollouts % self.critic.micro_batch_size:
       raise ConfigError(f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
                         f"critic.micro_batch_size={self.critic.micro_batch_size}")
-    if self.mesh.data > 0 and self.learner.micro_batch_size % self.mesh.data:
+    if (self.mesh.data > 0 and self.learner.micro_batch_tokens is None
+        and self.learner.micro_batch_size % self.mesh.data):
       raise ConfigError(f"learner.micro_batch_size={self.learner.micro_batch_size} is not a multiple "
                         f"of mesh.data={self.mesh.data}")
     if self.sampling.n < 2:

@@ -96,7 +96,13 @@ def data_parallel_devices(cfg: TrainConfig, n_devices: int) -> int:
     raise ConfigError(f"critic.micro_batch_size={critic_micro} is not a multiple of the {data} "
                       f"data-parallel devices ({how})")
   micro = cfg.learner.micro_batch_size
-  if micro % data:
+  rollouts = cfg.data.prompts_per_step * cfg.sampling.n
+  if cfg.learner.micro_batch_tokens is not None:  # packed rows are rounded up to the devices
+    if rollouts % (cfg.learner.mini_batches * data):
+      raise ConfigError(f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
+                        f"learner.mini_batches={cfg.learner.mini_batches} x the {data} data-parallel "
+                        f"devices ({how})")
+  elif micro % data:
     raise ConfigError(
         f"learner.micro_batch_size={micro} is not a multiple of the {data} data-parallel devices "
         f"({how}): data.prompts_per_step x sampling.n = "

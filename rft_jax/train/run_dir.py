@@ -31,7 +31,8 @@ CHANGEABLE_ON_RESUME = ("run_dir", "steps", "progress", "checkpoint_every", "kee
                         "compilation_cache_dir", "max_nonfinite_steps", "eval.", "mesh.",
                         "model.remat", "model.attention", "sampling.max_rollouts_per_call",
                         "sampling.scheduler", "sampling.decode_slots",
-                        "learner.micro_batch_size", "learner.stats_chunk_size",
+                        "learner.micro_batch_size", "learner.micro_batch_tokens",
+                        "learner.stats_chunk_size",
                         "learner.forecast_every", "log_rollouts_every", "logging.")
 # What belongs to a run (deleted by overwrite).
 RUN_FILES = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "tensorboard", "rollouts.jsonl",
