@@ -143,6 +143,25 @@ def learner_longtail_rows(model: str, shape: str = "a", *, micro: int = 8, repea
   return out
 
 
+def print_table(models, shapes, *, micro: int = 8, repeats: int = 3, warmup: int = 1,
+                mask: str = "none") -> None:
+  """:func:`learner_longtail_rows` of every model and shape, as a table."""
+  print(f"backend {jax.default_backend()} ({jax.device_count()} devices, {os.cpu_count()} cpus), float32, "
+        f"entropy_mask {mask}, load average {os.getloadavg()[0]:.1f}")
+  print(f"{'model':<6} {'shape':<5} {'rows x width':>12} {'real':>5} {'contender':<9} {'micro-batch':>11} "
+        f"{'compile s':>9} {'median s':>8} {'min s':>7} {'max s':>7} {'speedup':>7} {'d params':>8} "
+        f"{'d loss':>8} {'d gnorm':>8}")
+  for model in models:
+    for shape in shapes:
+      for r in learner_longtail_rows(model, shape, micro=micro, repeats=repeats, warmup=warmup,
+                                     mask=mask):
+        print(f"{r['model']:<6} {r['shape']:<5} {r['rows']:>5} x {r['width']:<4} {r['real_tokens']:5.2f} "
+              f"{r['contender']:<9} {r['micro_batch']:>11} {r['compile_s']:9.1f} {r['median_s']:8.2f} "
+              f"{r['min_s']:7.2f} {r['max_s']:7.2f} {r['speedup']:7.2f} {r['param_rel_diff']:8.1e} "
+              f"{r['loss_rel_diff']:8.1e} {r['grad_norm_rel_diff']:8.1e}", flush=True)
+  print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["small", "large"])
@@ -152,20 +171,8 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--mask", default="none", help="entropy_mask.kind")
   args = parser.parse_args()
-  print(f"backend {jax.default_backend()} ({jax.device_count()} devices, {os.cpu_count()} cpus), float32, "
-        f"entropy_mask {args.mask}, load average {os.getloadavg()[0]:.1f}")
-  print(f"{'model':<6} {'shape':<5} {'rows x width':>12} {'real':>5} {'contender':<9} {'micro-batch':>11} "
-        f"{'compile s':>9} {'median s':>8} {'min s':>7} {'max s':>7} {'speedup':>7} {'d params':>8} "
-        f"{'d loss':>8} {'d gnorm':>8}")
-  for model in args.models:
-    for shape in args.shapes:
-      for r in learner_longtail_rows(model, shape, micro=args.micro, repeats=args.repeats,
-                                     warmup=args.warmup, mask=args.mask):
-        print(f"{r['model']:<6} {r['shape']:<5} {r['rows']:>5} x {r['width']:<4} {r['real_tokens']:5.2f} "
-              f"{r['contender']:<9} {r['micro_batch']:>11} {r['compile_s']:9.1f} {r['median_s']:8.2f} "
-              f"{r['min_s']:7.2f} {r['max_s']:7.2f} {r['speedup']:7.2f} {r['param_rel_diff']:8.1e} "
-              f"{r['loss_rel_diff']:8.1e} {r['grad_norm_rel_diff']:8.1e}", flush=True)
-  print(f"load average {os.getloadavg()[0]:.1f}")
+  print_table(args.models, args.shapes, micro=args.micro, repeats=args.repeats,
+              warmup=args.warmup, mask=args.mask)
 
 
 if __name__ == "__main__":

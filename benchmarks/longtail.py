@@ -50,9 +50,9 @@ def main() -> None:
   results = measure_models(args, CHILD_ENV, f"; rft_jax decode_slots={args.decode_slots}",
                            longtail=True, decode_slots=args.decode_slots)
   print_ratios(results, args.models, args.peers, args.work)
-  if args.learner:
-    from learner_longtail import main as learner_main
-    learner_main(args.models)
+  if args.learner:  # row micro-batches against token micro-batches
+    from learner_longtail import print_table
+    print_table(args.models, ("a", "b"), repeats=args.rounds)
 
 
 if __name__ == "__main__":
