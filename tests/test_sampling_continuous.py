@@ -24,7 +24,7 @@ RNG = np.random.default_rng(7)
 PROMPTS = [RNG.integers(3, 128, RNG.integers(1, 30)).tolist() for _ in range(6)]
 STOPS = tuple(range(3, 10))
 STATIC = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, stop_token_ids=STOPS,
-                        scheduler="static")
+                        scheduler="static", min_segment_tokens=16)  # the pool shrinks at 40
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,13 @@ def test_continuous_on_the_mesh_equals_one_device(tmp_path):
   sharded = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
   single = generate(load_hf(ckpt), PROMPTS, STATIC, seed=3)
   _assert_same_samples(sharded, single)
+
+
+def test_short_calls_do_not_shrink():
+  spec = lambda **kw: PoolSpec.of(dataclasses.replace(STATIC, **kw), 128)  # noqa: E731
+  assert spec().slots == (128, 64, 32, 16, 8)
+  assert spec(min_segment_tokens=64).slots == (128,)  # 40 < 2 x 64: one compiled decode body
+  assert spec(min_segment_tokens=64, max_new_tokens=128).slots == (128, 64, 32, 16, 8)
 
 
 def test_pool_sizes():

@@ -110,8 +110,17 @@ class PoolSpec(DecodeSpec):
 
   @classmethod
   def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
-    return cls(slots=pool_sizes(rows, params.decode_slots, params.pool_stages, data),
+    return cls(slots=pool_sizes(rows, params.decode_slots, pool_stages(params), data),
                **DecodeSpec.fields_of(params, cache_dtype))
+
+
+def pool_stages(params: SamplingParams) -> int:
+  """``params.pool_stages``, or 1 (no shrinking) for calls of fewer than twice
+  ``params.min_segment_tokens`` new tokens: a stage is one more compiled decode body, and on
+  short calls the steps it saves are worth less than its compile time (the static program's
+  segments follow the same rule; the test suite, mostly 8-40-token calls, took 30 minutes
+  instead of about 18 with five stages everywhere)."""
+  return params.pool_stages if params.max_new_tokens >= 2 * params.min_segment_tokens else 1
 
 
 def _empty_pool_cache(model, slots: int, width: int, dtype) -> KVCache:

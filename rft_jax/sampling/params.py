@@ -67,7 +67,8 @@ class SamplingParams:
       below 8 slots): each stage is one more compiled decode body. On long-tailed lengths most
       of a call's steps run the last few completions: 128 rows of mean length ~200 and at most
       1,024 compute 53k row-steps for 28k tokens with 3 stages (128, 64, 32), 41k with 5
-      (down to 8), 34k with a pool of 64 and 4 stages (a simulation of the schedule).
+      (down to 8), 34k with a pool of 64 and 4 stages (a simulation of the schedule). Calls of
+      fewer than ``2 * min_segment_tokens`` new tokens do not shrink.
   """
 
   n: int = 1
