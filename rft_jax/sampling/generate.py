@@ -42,7 +42,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   different batches share compiled programs. Each prompt is prefilled once for its ``n``
   samples. ``params.scheduler`` picks the decode program: continuous batching
   (:mod:`rft_jax.sampling.continuous`, a pool of ``params.decode_slots`` slots refilled as
-  samples stop) or the static loop (:mod:`rft_jax.sampling.loop`); both give the same samples. The completions are a function of the seed, the prompt's tokens and the sample
+  samples stop) or the static loop (:mod:`rft_jax.sampling.loop`); both give the same samples.
+  The completions are a function of the seed, the prompt's tokens and the sample
   index, not of the prompt's place in the list (see :mod:`rft_jax.sampling.keys`).
 
   With ``params.max_rollouts_per_call``, more prompts than a call may hold run as consecutive
