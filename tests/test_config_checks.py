@@ -45,6 +45,8 @@ def test_max_nonfinite_steps_defaults_to_three_and_must_be_positive(files):
     ("mesh.data=0", r"mesh\.data=0 must be -1"),
     ("mesh.model=0", r"mesh\.model=0 must be >= 1"),
     ("eval.val_k=0", r"eval\.val_k=0 must be >= 1"),
+    ("sampling.kv_pages=0", r"sampling\.kv_pages=0 must be >= 1"),
+    ("sampling.page_size=0", r"sampling\.page_size=0 must be >= 1"),
 ])
 def test_value_checks_at_load_time_name_the_key(files, override, message):
   with pytest.raises(ConfigError, match=message):

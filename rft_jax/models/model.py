@@ -39,6 +39,7 @@ from rft_jax.models.attention import Attention, attend, attend_cache, causal_sel
 from rft_jax.models.config import QwenConfig
 from rft_jax.models.kv_cache import (KVCache, init_cache, query_slots, visible_slots,
                                      write_slots)
+from rft_jax.models.paged_kv import PagedKVCache, paged_attention, write_token
 from rft_jax.models.layers import MLP, RMSNorm, normal_init, param, rope_cos_sin
 
 
@@ -109,6 +110,18 @@ class DecoderLayer(nnx.Module):
     v_cache = write_slots(v_cache, v.transpose(0, 2, 1, 3), index, axis=2)
     o = attend_cache(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     return self._residual(x, o), k_cache, v_cache
+
+  def attend_with(self, x: Float[Array, "B T D"], rope: Rope, attention):
+    """One layer on new tokens whose attention another cache computes: ``attention(q, k, v)``
+    (``[B, T, N, H]``, ``[B, T, K, H]`` twice) returns ``(o, cache)``, the output and that
+    cache with the tokens' keys and values (a paged cache's, :meth:`Qwen.paged_decode_step`).
+
+    Returns:
+      ``(x, cache)``.
+    """
+    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
+    o, cache = attention(q, k, v)
+    return self._residual(x, o), cache
 
   def _residual(self, x: Float[Array, "B T D"], o: Float[Array, "B T N H"]
                 ) -> Float[Array, "B T D"]:
@@ -345,3 +358,23 @@ class Qwen(nnx.Module):
     hidden, cache = self.extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), jnp.int32), cache,
                                 layers=layers)
     return self.logits(hidden[:, 0]), cache
+
+  def paged_decode_step(self, tokens: Int[Array, "S"], cache: PagedKVCache, writing: Bool[Array, "S"],
+                        *, layers: tuple[DecoderLayer, ...] | None = None, kind: str = "xla"
+                        ) -> tuple[Float[Array, "S V"], PagedKVCache]:
+    """:meth:`decode_step` on a :class:`~rft_jax.models.paged_kv.PagedKVCache`: each writing
+    slot's token goes at its position ``cache.lengths[s]`` (RoPE position and cache slot are
+    the same there) and its query reads the slot's tokens up to itself; ``kind``: the paged
+    attention (:func:`~rft_jax.models.paged_kv.paged_attention`). The lengths of the writing
+    slots advance by one; the others change nothing."""
+    lengths = cache.lengths
+    rope = self.rope(lengths[:, None])
+    x = self._embed(tokens[:, None])
+    for i, layer in enumerate(self.unstacked_layers() if layers is None else layers):
+      def attention(q, k, v, i=i, cache=cache):
+        cache = write_token(cache, i, k[:, 0], v[:, 0], writing)
+        o = paged_attention(q[:, 0], cache.k[i], cache.v[i], cache.pages, lengths + 1, kind=kind)
+        return o[:, None].astype(q.dtype), cache
+      x, cache = layer.attend_with(x, rope, attention)
+    cache = cache.replace(lengths=lengths + writing.astype(lengths.dtype))
+    return self.logits(self.norm(x)[:, 0]), cache

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,41 +49,15 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rft_jax.models import feature_major
 from rft_jax.models.kv_cache import KVCache
+from rft_jax.models.paged_kv import pages_for, resolve_kind
 from rft_jax.parallel import Rules
+from rft_jax.sampling import paged_pool
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling import loop
 from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, DecodeSpec, cache_slots, constrain,
                                    cpu_attention_for, decode_state)
 from rft_jax.sampling.params import SamplingParams
-
-
-@flax.struct.dataclass
-class PoolState:
-  """The ``while_loop`` carry of :func:`sample_pool` (``S`` slots, ``R`` samples).
-
-  Attributes:
-    admitted: queued samples that have entered a slot so far.
-    sample: ``[S]`` the sample each slot decodes (``R`` when the slot is free).
-    steps: ``[S]`` tokens its sample has drawn (the column its next token is written to).
-    last_tokens: ``[S]`` each slot's latest token, the next decode input.
-    running: ``[S]`` the slot holds a sample that has not ended.
-    cache: the pool's decode cache, one write index per slot.
-    tokens: ``[R, M]`` every sample's tokens, 0 after its end.
-    logprobs: ``[R, M]`` their log-probabilities, 0 after the end.
-    lengths: ``[R]`` tokens per sample.
-    done: ``[R]`` the sample ended with a stop token (or is a dummy row).
-  """
-
-  admitted: Int[Array, ""]
-  sample: Int[Array, "S"]
-  steps: Int[Array, "S"]
-  last_tokens: Int[Array, "S"]
-  running: Bool[Array, "S"]
-  cache: KVCache | None
-  tokens: Int[Array, "R M"]
-  logprobs: Float[Array, "R M"]
-  lengths: Int[Array, "R"]
-  done: Bool[Array, "R"]
+from rft_jax.sampling.pool_state import PoolState
 
 
 def pool_sizes(rows: int, decode_slots: int | None, stages: int, data: int = 1,
@@ -103,14 +76,25 @@ def pool_sizes(rows: int, decode_slots: int | None, stages: int, data: int = 1,
 
 @dataclasses.dataclass(frozen=True)
 class PoolSpec(DecodeSpec):
-  """Continuous batching's :class:`~rft_jax.sampling.loop.DecodeSpec`, and ``slots``:
-  :func:`pool_sizes`, the pool's size at each stage."""
+  """Continuous batching's :class:`~rft_jax.sampling.loop.DecodeSpec`, and
+
+  Attributes:
+    slots: :func:`pool_sizes`, the pool's size at each stage.
+    kv_pages: the paged cache's pages (:mod:`rft_jax.sampling.paged_pool`); None: a cache row
+      of ``P + M`` slots per decode slot.
+    page_size: tokens per page.
+    paged_attention: :func:`rft_jax.models.paged_kv.paged_attention`'s kind.
+  """
 
   slots: tuple[int, ...] = ()
+  kv_pages: int | None = None
+  page_size: int = 16
+  paged_attention: str = "auto"
 
   @classmethod
   def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
     return cls(slots=pool_sizes(rows, params.decode_slots, pool_stages(params), data),
+               kv_pages=params.kv_pages, page_size=params.page_size,
                **DecodeSpec.fields_of(params, cache_dtype))
 
 
@@ -211,15 +195,19 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   queued = jnp.sum(waiting)
 
   size = spec.slots[0]
-  pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype)
-  pool_axes = pool_cache.logical_axes()
+  pool_cache, pool_axes = None, None
+  if spec.kv_pages is None:
+    pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype)
+    pool_axes = pool_cache.logical_axes()
+    pool_cache = constrain(pool_cache, pool_axes, mesh, rules)
+  paged_kind = resolve_kind(spec.paged_attention, platform)
   pool = PoolState(
       admitted=jnp.zeros((), jnp.int32),
       sample=jnp.full((size,), r, jnp.int32),
       steps=jnp.zeros((size,), jnp.int32),
       last_tokens=jnp.zeros((size,), jnp.int32),
       running=jnp.zeros((size,), bool),
-      cache=constrain(pool_cache, pool_axes, mesh, rules),
+      cache=pool_cache,
       tokens=constrain(jnp.zeros((r, m), jnp.int32).at[:, 0].set(jnp.where(real, first, 0)),
                         rows, mesh, rules),
       logprobs=constrain(jnp.zeros((r, m), jnp.float32).at[:, 0].set(
@@ -241,28 +229,26 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                      running=s.running | take, cache=cache)
 
   def decode(s: PoolState) -> PoolState:
-    if on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
+    u = s.slot_uniforms(uniforms)
+    if spec.kv_pages is not None:
+      logits, cache = model.paged_decode_step(s.last_tokens, s.cache, s.running,
+                                              layers=layers if on_cpu else step_layers,
+                                              kind=paged_kind)
+      vocab_axis = 1
+    elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
       logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
       vocab_axis = 0
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
       vocab_axis = 1
-    column = jnp.minimum(s.steps, m - 1)
-    u = uniforms[jnp.minimum(s.sample, r - 1), column]
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
-    target = jnp.where(s.running, s.sample, r)  # out of range: dropped
-    stop = spec.is_stop(tokens)
-    return s.replace(
-        cache=constrain(cache, pool_axes, mesh, rules),
-        steps=s.steps + 1,
-        last_tokens=tokens,
-        running=s.running & ~stop & (s.steps + 1 < m),
-        tokens=s.tokens.at[target, column].set(tokens, mode="drop"),
-        logprobs=s.logprobs.at[target, column].set(logp, mode="drop"),
-        lengths=s.lengths.at[target].set(s.steps + 1, mode="drop"),
-        done=s.done.at[target].set(stop, mode="drop"),
-    )
+    if spec.kv_pages is None:
+      cache = constrain(cache, pool_axes, mesh, rules)
+    return s.replace(cache=cache).record(tokens, logp, spec.is_stop(tokens))
 
+  if spec.kv_pages is not None:
+    return _run_paged(pool, decode, prompt_cache, prompt_lengths, queue, queued, first, model,
+                      spec)
   for stage, size in enumerate(spec.slots):
     if stage:
       pool = _compact(pool, size)
@@ -273,6 +259,30 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
       return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
     pool = jax.lax.while_loop(busy, lambda s: decode(admit(s)), pool)
   return pool.replace(cache=None)
+
+
+def _run_paged(pool: PoolState, decode, prompt_cache: KVCache, prompt_lengths: Int[Array, "B"],
+               queue: Int[Array, "R"], queued: Int[Array, ""], first: Int[Array, "R"], model,
+               spec: PoolSpec) -> PoolState:
+  """The decode loop of :func:`_sample_pool` on a paged cache (:mod:`.paged_pool`), the same
+  stages as the dense pool's."""
+  prompt_width = pages_for(prompt_cache.max_len, spec.page_size)
+  state = paged_pool.initial_paged_state(
+      pool, prompt_cache, prompt_lengths, queue, model.config, spec.kv_pages, spec.page_size,
+      spec.max_new_tokens, spec.cache_dtype)
+
+  def step(s):
+    return paged_pool.paged_step(s, decode, first, spec.n, prompt_lengths, prompt_width, queued)
+
+  for stage, size in enumerate(spec.slots):
+    if stage:
+      state = paged_pool.compact_paged(state, jnp.argsort(~state.running, stable=True)[:size])
+    smaller = spec.slots[stage + 1] if stage + 1 < len(spec.slots) else 0
+
+    def busy(s, smaller=smaller):
+      return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
+    state = jax.lax.while_loop(busy, step, state)
+  return state.replace(cache=None)
 
 
 _STATIC = ("graphdef", "spec", "mesh", "rules")

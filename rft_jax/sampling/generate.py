@@ -125,7 +125,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
                       spec=spec, mesh=mesh, rules=rules)
     # Left on device (a few MB per call) and fetched once every call is queued: the device
     # does not wait for a transfer between calls. Each call's KV cache is freed when it ends.
-    outs.append((out.tokens, out.logprobs, out.lengths, out.done))
+    outs.append((out.tokens, out.logprobs, out.lengths, out.done,
+                 getattr(out, "evictions", None)))
   keep = num * n
   tokens, lengths, done = (np.concatenate([host_array(o[field]) for o in outs])[:keep]
                            for field in (0, 2, 3))
@@ -143,6 +144,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       finish_reason=np.where(done, "stop", "length"),
       prompt_index=np.repeat(np.arange(num, dtype=np.int32), n),
       on_device=on_device,
+      evictions=sum(int(host_array(o[4])) for o in outs if o[4] is not None),
   )
 
 

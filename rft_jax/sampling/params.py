@@ -69,6 +69,12 @@ class SamplingParams:
       1,024 compute 53k row-steps for 28k tokens with 3 stages (128, 64, 32), 41k with 5
       (down to 8), 34k with a pool of 64 and 4 stages (a simulation of the schedule). Calls of
       fewer than ``2 * min_segment_tokens`` new tokens do not shrink.
+    kv_pages: continuous batching on a paged KV cache (:mod:`rft_jax.sampling.paged_pool`):
+      the pages of ``page_size`` tokens one call's pool holds (per data shard), prompts
+      included, so its memory follows the live tokens instead of ``decode_slots x (prompt +
+      max_new_tokens)``; samples wait (or are evicted and decoded again) when the pages run
+      out. None: a full-width cache row per slot. ``rft-jax plan`` sizes it from memory.
+    page_size: tokens per page of the paged cache (a multiple of 8 suits the Pallas kernels).
   """
 
   n: int = 1
@@ -83,6 +89,8 @@ class SamplingParams:
   scheduler: str = "continuous"
   decode_slots: int | None = None
   pool_stages: int = 5
+  kv_pages: int | None = None
+  page_size: int = 16
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -95,13 +103,19 @@ class SamplingParams:
     _check_int("cache_segments", self.cache_segments, minimum=1)
     _check_int("min_segment_tokens", self.min_segment_tokens, minimum=1)
     _check_int("pool_stages", self.pool_stages, minimum=1)
+    _check_int("page_size", self.page_size, minimum=1)
     if self.scheduler not in SCHEDULERS:
       raise ValueError(f"SamplingParams.scheduler={self.scheduler!r} must be one of {SCHEDULERS}")
     if self.decode_slots is not None:
       _check_int("decode_slots", self.decode_slots, minimum=1)
       object.__setattr__(self, "decode_slots", int(self.decode_slots))
+    if self.kv_pages is not None:
+      _check_int("kv_pages", self.kv_pages, minimum=1)
+      object.__setattr__(self, "kv_pages", int(self.kv_pages))
+      if self.scheduler != "continuous":
+        raise ValueError("SamplingParams.kv_pages (a paged KV cache) needs scheduler='continuous'")
     for name in ("n", "top_k", "max_new_tokens", "cache_segments", "min_segment_tokens",
-                 "pool_stages"):
+                 "pool_stages", "page_size"):
       object.__setattr__(self, name, int(getattr(self, name)))
     if self.max_rollouts_per_call is not None:
       if not _is_int(self.max_rollouts_per_call) or self.max_rollouts_per_call < self.n:

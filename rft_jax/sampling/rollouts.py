@@ -39,6 +39,8 @@ class Rollouts:
     prompt_index: ``[N]`` int32 the prompt (row of ``prompt_ids``) of each completion:
       ``0, .., 0, 1, .., 1, ...`` (``n`` each).
     on_device: the completions' :class:`OnDevice` arrays, or None (everything on the host).
+    evictions: samples a paged KV cache evicted for lack of pages and decoded again
+      (``SamplingParams.kv_pages``; the samples are the same, the time is not); 0 otherwise.
   """
 
   prompt_ids: np.ndarray
@@ -49,6 +51,7 @@ class Rollouts:
   finish_reason: np.ndarray
   prompt_index: np.ndarray
   on_device: OnDevice | None = None
+  evictions: int = 0
 
   def __post_init__(self):
     b, p = self.prompt_ids.shape

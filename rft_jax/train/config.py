@@ -113,6 +113,11 @@ class SamplingConfig:
   step's queue of samples as they stop, shrinking as the queue drains; None: one slot per
   rollout of a call) or ``static`` (every row decodes until the call's longest ends): the same
   completions (``SamplingParams.scheduler``, ``decode_slots``).
+
+  ``kv_pages``: continuous batching on a paged KV cache of that many pages of ``page_size``
+  tokens per call and data shard, prompts included (memory that follows the live tokens;
+  samples wait, or are evicted and decoded again, when pages run out; ``rft-jax plan`` prints
+  the pages that fit). None: a full-width cache row per decode slot. Same completions.
   """
 
   n: int = 16
@@ -123,6 +128,8 @@ class SamplingConfig:
   max_rollouts_per_call: Optional[int] = None
   scheduler: str = "continuous"
   decode_slots: Optional[int] = None
+  kv_pages: Optional[int] = None
+  page_size: int = 16
 
 
 @dataclasses.dataclass
@@ -293,6 +300,13 @@ class TrainConfig:
     if self.sampling.decode_slots is not None and self.sampling.decode_slots < 1:
       raise ConfigError(f"sampling.decode_slots={self.sampling.decode_slots} must be >= 1 (or null: "
                         "one slot per rollout)")
+    if self.sampling.kv_pages is not None and self.sampling.kv_pages < 1:
+      raise ConfigError(f"sampling.kv_pages={self.sampling.kv_pages} must be >= 1 (or null: no pages)")
+    if self.sampling.kv_pages is not None and self.sampling.scheduler != "continuous":
+      raise ConfigError(f"sampling.kv_pages needs sampling.scheduler=continuous, not "
+                        f"{self.sampling.scheduler!r}")
+    if self.sampling.page_size < 1:
+      raise ConfigError(f"sampling.page_size={self.sampling.page_size} must be >= 1")
     if self.learner.temperature is None:
       self.learner.temperature = self.sampling.temperature
     elif self.learner.temperature != self.sampling.temperature:

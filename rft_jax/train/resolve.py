@@ -30,7 +30,8 @@ def sampling_params(cfg: TrainConfig, stop_ids: Sequence[int]) -> SamplingParams
   return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                         max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop_ids),
                         max_rollouts_per_call=s.max_rollouts_per_call, scheduler=s.scheduler,
-                        decode_slots=s.decode_slots)
+                        decode_slots=s.decode_slots, kv_pages=s.kv_pages,
+                        page_size=s.page_size)
 
 
 def reward_config(cfg: TrainConfig, questions: Sequence[str]) -> RewardConfig:

@@ -31,6 +31,7 @@ CHANGEABLE_ON_RESUME = ("run_dir", "steps", "progress", "checkpoint_every", "kee
                         "compilation_cache_dir", "max_nonfinite_steps", "eval.", "mesh.",
                         "model.remat", "model.attention", "sampling.max_rollouts_per_call",
                         "sampling.scheduler", "sampling.decode_slots",
+                        "sampling.kv_pages", "sampling.page_size",
                         "learner.micro_batch_size", "learner.micro_batch_tokens",
                         "learner.stats_chunk_size",
                         "learner.forecast_every", "log_rollouts_every", "logging.")

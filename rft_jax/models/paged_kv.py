@@ -1,0 +1,163 @@
+r"""A paged key/value cache: memory that follows the live tokens, not rows x maximum length.
+
+Every layer's keys and values live in a pool of ``N`` pages of ``P`` tokens; each decode slot
+has a block table, the pages that hold its tokens in order: token ``t`` of slot ``s`` is at
+offset ``t % P`` of page ``pages[s, t // P]``. A slot's tokens are contiguous from position 0
+(no padding: a left-padded prompt is shifted to the start of its pages, :func:`prompt_pages`),
+so a slot is described by its page list and its length, which is also the RoPE position of its
+next token. Pages are shared: the samples of one prompt point at the prompt's full pages and
+only copy its last, partial one before writing after it (the sampler's allocator,
+:mod:`rft_jax.sampling.paged_pool`, hands the pages out and takes them back).
+
+The layout of one layer is that of the paged-attention kernels that ship with jax (Pallas):
+``[K, N, P, H]`` for keys and for values. :func:`paged_attention` runs
+
+* ``pallas_tpu``: ``jax.experimental.pallas.ops.tpu.paged_attention`` on TPUs;
+* ``pallas_gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` on GPUs (Triton), which
+  also runs on CPU in Pallas' interpret mode (``pallas_gpu_interpret``, for tests);
+* ``xla``: a gather of each slot's pages, then the masked softmax of
+  :func:`~rft_jax.models.attention.attend_cache` (any backend; it reads every page of the
+  block table, a temporary of one layer's slots at full width).
+
+All three compute ``softmax(q k^T / sqrt(H)) v`` over a slot's ``lengths[s]`` tokens, scores in
+float32.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from rft_jax.models.attention import MASKED_SCORE
+from rft_jax.models.config import QwenConfig
+
+PAGED_ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu")
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """Pages of every layer and the slots' block tables.
+
+  Attributes:
+    k: per layer, ``[K, N, P, H]`` keys after RoPE (and q/k norm).
+    v: per layer, ``[K, N, P, H]`` values.
+    pages: ``[S, W]`` each slot's block table (``W`` pages: the longest sequence a slot holds
+      is ``W * P`` tokens); entries past a slot's length are unused.
+    lengths: ``[S]`` tokens each slot holds, the position of its next token.
+  """
+
+  k: tuple[Float[Array, "K N P H"], ...]
+  v: tuple[Float[Array, "K N P H"], ...]
+  pages: Int[Array, "S W"]
+  lengths: Int[Array, "S"]
+
+  @property
+  def page_size(self) -> int:
+    return self.k[0].shape[2]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k[0].shape[1]
+
+
+def init_paged_cache(config: QwenConfig, num_pages: int, page_size: int, slots: int,
+                     pages_per_slot: int, dtype=None) -> PagedKVCache:
+  """Empty pages (dtype: the compute dtype) and block tables of ``slots`` slots."""
+  dtype = config.dtype if dtype is None else dtype
+  shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
+  layers = config.num_hidden_layers
+  return PagedKVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+                      v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+                      pages=jnp.zeros((slots, pages_per_slot), jnp.int32),
+                      lengths=jnp.zeros((slots,), jnp.int32))
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+  """Pages that hold ``tokens`` tokens."""
+  return -(-tokens // page_size)
+
+
+def prompt_pages(layer: Float[Array, "B K S H"], lengths: Int[Array, "B"], page_size: int
+                 ) -> Float[Array, "K N P H"]:
+  """One layer of a left-padded prompt cache (``[B, K, S, H]``, ``S`` slots, row ``b``'s
+  ``lengths[b]`` tokens at its last slots) as pages: row ``b``'s tokens shifted to the start
+  of its own ``ceil(S / P)`` pages, pages ``b * ceil(S / P) ...``; the slots after its tokens
+  hold its padding (never read: a slot reads ``lengths`` tokens)."""
+  b, k, s, h = layer.shape
+  per_row = pages_for(s, page_size)
+  shift = s - lengths  # the row's padding slots
+  slots = (jnp.arange(s)[None, :] + shift[:, None]) % s  # [B, S]: a rotation of each row
+  layer = jnp.take_along_axis(layer, slots[:, None, :, None], axis=2)
+  layer = jnp.pad(layer, ((0, 0), (0, 0), (0, per_row * page_size - s), (0, 0)))
+  layer = layer.reshape(b, k, per_row, page_size, h).transpose(1, 0, 2, 3, 4)
+  return layer.reshape(k, b * per_row, page_size, h)
+
+
+def write_token(cache: PagedKVCache, layer: int, k: Float[Array, "S K H"],
+                v: Float[Array, "S K H"], writing: Array) -> PagedKVCache:
+  """``cache`` with each writing slot's new key and value (``[S, K, H]``) stored at its
+  position ``lengths[s]`` in layer ``layer`` (the page must be in its block table already);
+  slots that do not write (``writing[s]`` False) change nothing. Lengths are not advanced."""
+  page_size, n = cache.page_size, cache.num_pages
+  page = jnp.take_along_axis(cache.pages, (cache.lengths // page_size)[:, None], axis=1,
+                             mode="clip")[:, 0]
+  page = jnp.where(writing, page, n)  # out of range: dropped
+  offset = cache.lengths % page_size
+
+  def put(pool, new):
+    return pool.at[:, page, offset, :].set(new.transpose(1, 0, 2).astype(pool.dtype), mode="drop")
+
+  k_all, v_all = list(cache.k), list(cache.v)
+  k_all[layer], v_all[layer] = put(k_all[layer], k), put(v_all[layer], v)
+  return cache.replace(k=tuple(k_all), v=tuple(v_all))
+
+
+def paged_attention(q: Float[Array, "S N H"], k_pages: Float[Array, "K N P H"],
+                    v_pages: Float[Array, "K N P H"], pages: Int[Array, "S W"],
+                    lengths: Int[Array, "S"], *, kind: str = "xla") -> Float[Array, "S N H"]:
+  """One query per slot against its first ``lengths[s]`` tokens (``kind``: see the module
+  docstring; ``auto`` is not resolved here). Query head ``n`` reads key/value head ``n // G``;
+  a slot of length 0 gets a finite, unused output."""
+  s, n_heads, h = q.shape
+  scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # the kernels do not scale
+  if kind == "pallas_tpu":
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
+    per_block = _pages_per_block(pages.shape[1])
+    return tpu_kernel(scaled, k_pages, v_pages, lengths, pages, pages_per_compute_block=per_block)
+  if kind in ("pallas_gpu", "pallas_gpu_interpret"):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_kernel
+    per_block = _pages_per_block(pages.shape[1])
+    return gpu_kernel(scaled, k_pages, v_pages, pages, lengths, pages_per_compute_block=per_block,
+                      k_splits=max(1, pages.shape[1] // per_block),
+                      interpret=kind == "pallas_gpu_interpret")
+  if kind != "xla":
+    raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
+  kv_heads, _, page_size, _ = k_pages.shape
+  width = pages.shape[1] * page_size
+  k = k_pages[:, pages].reshape(kv_heads, s, width, h)  # [K, S, W * P, H]
+  v = v_pages[:, pages].reshape(kv_heads, s, width, h)
+  q = q.reshape(s, kv_heads, n_heads // kv_heads, h)
+  scores = jnp.einsum("skgh,kswh->skgw", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+  scores = scores * (h ** -0.5)
+  seen = jnp.arange(width)[None, :] < lengths[:, None]  # [S, W * P]
+  scores = jnp.where(seen[:, None, None, :], scores, MASKED_SCORE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("skgw,kswh->skgh", probs, v.astype(q.dtype))
+  return out.reshape(s, n_heads, h)
+
+
+def _pages_per_block(pages_per_slot: int, most: int = 8) -> int:
+  """The largest divisor of ``pages_per_slot`` up to ``most``: the kernels' pages per
+  compute block must divide a block table's width."""
+  return max(d for d in range(1, min(most, pages_per_slot) + 1) if pages_per_slot % d == 0)
+
+
+def resolve_kind(kind: str, platform: str) -> str:
+  """``auto``: the Pallas kernel of ``platform`` (TPU, GPU), ``xla`` elsewhere."""
+  if kind not in PAGED_ATTENTION_KINDS:
+    raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
+  if kind != "auto":
+    return kind
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")

@@ -1,0 +1,88 @@
+"""The paged KV cache (``rft_jax.models.paged_kv``): prompts shifted into pages, one token
+written per slot, and paged attention equal to the dense cache's, by XLA and by jax's Pallas
+GPU kernel (run in Pallas' interpret mode here)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rft_jax.models.attention import attend_cache
+from rft_jax.models.paged_kv import (PagedKVCache, paged_attention, pages_for, prompt_pages,
+                                     resolve_kind, write_token)
+
+RNG = np.random.default_rng(0)
+K, N, P, H, G = 2, 24, 4, 16, 3  # kv heads, pages, page size, head width, queries per kv head
+
+
+def _pages_and_tables(slots=5, width=4):
+  k = jnp.asarray(RNG.normal(size=(K, N, P, H)), jnp.float32)
+  v = jnp.asarray(RNG.normal(size=(K, N, P, H)), jnp.float32)
+  tables = jnp.asarray(RNG.permutation(N)[:slots * width].reshape(slots, width), jnp.int32)
+  return k, v, tables
+
+
+def _dense_reference(q, k, v, tables, lengths):
+  """attend_cache on each slot's pages laid end to end, the slots past its length masked."""
+  s, w = tables.shape
+  keys = k[:, tables].reshape(K, s, w * P, H).transpose(1, 0, 3, 2)  # [S, K, H, W*P]
+  values = v[:, tables].reshape(K, s, w * P, H).transpose(1, 0, 2, 3)  # [S, K, W*P, H]
+  mask = (jnp.arange(w * P)[None, :] < lengths[:, None])[:, None, :]
+  return attend_cache(q[:, None], keys, values, mask)[:, 0]
+
+
+@pytest.mark.parametrize("kind", ["xla", "pallas_gpu_interpret"])
+def test_paged_attention_equals_the_dense_cache(kind):
+  k, v, tables = _pages_and_tables()
+  lengths = jnp.asarray([1, 5, 16, 9, 4], jnp.int32)  # one token, a page, a full table, ...
+  q = jnp.asarray(RNG.normal(size=(5, K * G, H)), jnp.float32)
+  np.testing.assert_allclose(paged_attention(q, k, v, tables, lengths, kind=kind),
+                             _dense_reference(q, k, v, tables, lengths), atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["xla", "pallas_gpu_interpret"])
+def test_tokens_past_the_length_do_not_count(kind):
+  k, v, tables = _pages_and_tables()
+  lengths = jnp.asarray([3, 4, 7, 1, 9], jnp.int32)
+  q = jnp.asarray(RNG.normal(size=(5, K * G, H)), jnp.float32)
+  before = paged_attention(q, k, v, tables, lengths, kind=kind)
+  unused = jnp.asarray([t for row, n in zip(np.asarray(tables), np.asarray(lengths))
+                        for t in row[pages_for(int(n), P):]])  # (a freed page's old tokens)
+  k2, v2 = k.at[:, unused].set(1e4), v.at[:, unused].set(-1e4)
+  np.testing.assert_array_equal(paged_attention(q, k2, v2, tables, lengths, kind=kind), before)
+
+
+def test_prompt_pages_shift_left_padded_rows_to_their_pages():
+  lengths = np.array([3, 7, 1])
+  b, s = 3, 7
+  layer = np.zeros((b, K, s, H), np.float32)
+  for row, n in enumerate(lengths):  # token j of row b (left-padded) holds 100 b + j
+    layer[row, :, s - n:, :] = (100 * row + np.arange(n))[None, :, None]
+  pages = np.asarray(prompt_pages(jnp.asarray(layer), jnp.asarray(lengths), P))
+  per_row = pages_for(s, P)
+  assert pages.shape == (K, b * per_row, P, H)
+  for row, n in enumerate(lengths):
+    tokens = pages[:, row * per_row:(row + 1) * per_row].reshape(K, per_row * P, H)[:, :n]
+    np.testing.assert_array_equal(tokens, np.broadcast_to(
+        (100 * row + np.arange(n))[None, :, None], (K, n, H)))
+
+
+def test_write_token_goes_to_the_slots_page_and_offset():
+  k, v, tables = _pages_and_tables(slots=3)
+  cache = PagedKVCache(k=(k,), v=(v,), pages=tables, lengths=jnp.asarray([0, 6, 13], jnp.int32))
+  new_k = jnp.full((3, K, H), 7.0)
+  out = write_token(cache, 0, new_k, new_k, jnp.asarray([True, True, False]))
+  t = np.asarray(tables)
+  changed = np.argwhere(np.any(np.asarray(out.k[0]) != np.asarray(k), axis=(0, 3)))
+  assert sorted(map(tuple, changed)) == sorted([(t[0, 0], 0), (t[1, 1], 2)])  # slot 2 idle
+  assert np.all(np.asarray(out.v[0])[:, t[1, 1], 2] == 7.0)
+
+
+def test_resolve_kind():
+  assert resolve_kind("auto", "tpu") == "pallas_tpu"
+  assert resolve_kind("auto", "gpu") == "pallas_gpu"
+  assert resolve_kind("auto", "cpu") == "xla"
+  assert resolve_kind("xla", "gpu") == "xla"
+  with pytest.raises(ValueError, match="not one of"):
+    resolve_kind("flash", "gpu")

@@ -1,0 +1,105 @@
+"""Continuous batching on a paged KV cache (``rft_jax.sampling.paged_pool``): the static
+program's samples whatever the page budget, including budgets small enough that samples are
+evicted and decoded again; on one device and on the fake data mesh; memory that follows the
+pages, not the slots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_fixtures import make_tiny_qwen
+from rft_jax.models import load_hf
+from rft_jax.parallel import make_mesh
+from rft_jax.sampling import SamplingParams, generate
+from rft_jax.sampling.continuous import PoolSpec, sample_pool_cpu
+from rft_jax.sampling.loop import layer_indices
+
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(3, 128, RNG.integers(1, 30)).tolist() for _ in range(6)]  # bucket 32
+STOPS = tuple(range(3, 10))
+STATIC = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, stop_token_ids=STOPS,
+                        scheduler="static", min_segment_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  return load_hf(make_tiny_qwen(tmp_path_factory.mktemp("ckpt"), "qwen2", tie=False, kv_heads=2))
+
+
+def _paged(params, **kw):
+  return dataclasses.replace(params, scheduler="continuous", **kw)
+
+
+def _assert_same_samples(a, b, atol=1e-5):
+  np.testing.assert_array_equal(a.completion_lengths, b.completion_lengths)
+  np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+  np.testing.assert_array_equal(a.finish_reason, b.finish_reason)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol)
+
+
+@pytest.mark.parametrize("temperature,budgets", [
+    (0.0, ((90, 4, 8),)),
+    # (pages, page size, slots). 8 prompts (6 and 2 dummies) of 32 slots take 64 pages of 4
+    # (32 of 8); a sample takes up to 18 (9). 82 and 45: barely one sample beside the prompts,
+    # so samples are evicted and decoded again, with a slot per row and with refills (12
+    # slots); pages of 4 and 8.
+    (1.0, ((82, 4, None), (45, 8, 12)))])
+def test_paged_equals_static_whatever_the_pages(model, temperature, budgets):
+  static = dataclasses.replace(STATIC, temperature=temperature)
+  reference = generate(model, PROMPTS, static, seed=3)
+  assert reference.completion_lengths.max() == 40 and reference.completion_lengths.min() <= 3
+  evictions = {}
+  for pages, page_size, slots in budgets:
+    out = generate(model, PROMPTS, _paged(static, kv_pages=pages, page_size=page_size,
+                                          decode_slots=slots), seed=3)
+    _assert_same_samples(out, reference)
+    evictions[pages] = out.evictions
+  assert min(evictions.values()) > 5, evictions
+
+
+def test_paged_on_the_mesh_equals_one_device(tmp_path):
+  ckpt = make_tiny_qwen(tmp_path, "qwen2", tie=False, kv_heads=2)
+  mesh = make_mesh(data=4, model=2)
+  params = _paged(STATIC, decode_slots=8, kv_pages=120, page_size=4)
+  sharded = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
+  _assert_same_samples(sharded, generate(load_hf(ckpt), PROMPTS, STATIC, seed=3))
+
+
+def test_too_few_pages_and_the_static_scheduler_are_refused(model):
+  with pytest.raises(ValueError, match="kv_pages=70 pages of 4 tokens cannot hold 8 prompts "
+                     r"of 32 slots \(64 pages\) and one whole sample \(18 pages\); give at least 82"):
+    generate(model, PROMPTS, _paged(STATIC, kv_pages=70, page_size=4), seed=3)
+  with pytest.raises(ValueError, match="kv_pages .* needs scheduler='continuous'"):
+    dataclasses.replace(STATIC, kv_pages=100)
+
+
+def test_the_paged_cache_follows_the_pages_not_the_slots(model):
+  """128 slots of 544 tokens take a dense pool's cache of 128 full rows; on pages the
+  compiled program's temporaries grow with the page budget instead (on CPU the XLA paged
+  attention also gathers one layer's slots at full width for a step)."""
+  graphdef, state = nnx.split(model)
+  b, p, m = 16, 32, 512
+  args = (np.zeros((b, p), np.int32), np.ones((b, p), np.int32), np.zeros((b, 3), np.uint32),
+          np.ones(b, bool), np.uint32(0), np.float32(1), np.int32(0), np.float32(1),
+          layer_indices(model.config.num_hidden_layers))
+  params = dataclasses.replace(STATIC, n=8, max_new_tokens=m, scheduler="continuous",
+                               pool_stages=1, page_size=16)
+
+  def temp_bytes(**kw):
+    spec = PoolSpec.of(dataclasses.replace(params, **kw), b * 8)
+    compiled = sample_pool_cpu.lower(graphdef, state, *args, spec=spec, mesh=None, rules=()
+                                     ).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  c = model.config
+  token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # f32 K and V
+  dense = temp_bytes()
+  small, large = temp_bytes(kv_pages=200), temp_bytes(kv_pages=1200)
+  assert large - small >= 0.9 * 1000 * 16 * token, (small, large, token)
+  dense_cache = 128 * (p + m) * token
+  one_layer = dense_cache // c.num_hidden_layers
+  assert dense - small >= 0.9 * (dense_cache - one_layer - 200 * 16 * token), (dense, small)
