@@ -139,11 +139,6 @@ class RunCheckpointer:
                        f"step exists: is another run writing here?)")
     self._pending = step
 
-  def check(self) -> None:
-    """Raises :class:`WriteError` if a background save has failed (e.g. the disk is full)."""
-    with _writing(f"saving a checkpoint to {self.directory} failed"):
-      self._manager.check_for_errors()
-
   def restore(self, template: Any, step: int | None = None, *,
               move_corrupt: bool = True) -> tuple[Any, dict, int]:
     """Restores the state onto ``template``'s shapes, dtypes and shardings.

@@ -4,11 +4,10 @@ A fault ends a run with one line on the console (:mod:`rft_jax.train.errors`); t
 developer wants afterwards go here: the tracebacks of a checkpoint save that failed, and the
 records of the libraries that write checkpoints (:data:`LIBRARY_LOGGERS`: orbax logs through
 absl, and its failed writes leave asyncio's "exception was never retrieved"; TensorStore prints
-its callbacks' errors through ``sys.unraisablehook``: those that start in
-:data:`LIBRARY_PACKAGES`).
-All of these otherwise reach the
-console: a save that fails on a full disk printed hundreds of lines of tracebacks. The run's
-status lines are copied in for context. Other processes than 0 write ``debug.<process>.log``.
+its callbacks' errors through ``sys.unraisablehook``: those whose traceback starts in
+:data:`LIBRARY_PACKAGES`). All of these otherwise reach the console: a save that fails on a full
+disk printed hundreds of lines of tracebacks. The run's status lines are copied in for context.
+Other processes than 0 write ``debug.<process>.log``.
 
 A save that failed leaves orbax's work behind, which reports only when it is collected (at
 exit): :func:`linger` keeps the libraries' records going to the run's debug log after the run

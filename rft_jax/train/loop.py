@@ -384,9 +384,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
 
   Faults end the run with a :class:`rft_jax.train.errors.RunError` naming the cause, after
   saving the last completed step when that is possible: a second trainer on the directory,
-  a failed write (metrics, TensorBoard, checkpoint), ``max_nonfinite_steps`` skipped steps in
-  a row, SIGTERM / SIGINT (after finishing the step), an evaluation that fails. Running out
-  of data (``data.epochs``) ends the run early with a checkpoint and a message.
+  a failed write (metrics, TensorBoard; a checkpoint's background save, judged after the step
+  that follows it), ``max_nonfinite_steps`` skipped steps in a row, a step whose rewards failed
+  beyond ``rewards.max_error_fraction``, a checkpoint to resume with non-finite parameters,
+  SIGTERM / SIGINT (after finishing the step), an evaluation that fails. Running out of data
+  (``data.epochs``) ends the run early with a checkpoint and a message. The details behind a
+  fault's one line go to ``RUN_DIR/debug.log`` (:mod:`rft_jax.train.debug_log`).
 
   On several processes (one per host) every process runs this with the same config: all
   of them sample, score, learn and checkpoint (orbax coordinates the writes); only
