@@ -53,8 +53,11 @@ def _train(args: argparse.Namespace) -> int:
   done = metrics["steps_done"]
   what = (f"finished {done} steps" if done == cfg.steps else
           f"stopped after {done} of {cfg.steps} steps (the training data ran out)")
-  print(f"{what} in {cfg.run_dir}: reward {metrics.get('reward_mean', float('nan')):.3f}, "
-        f"entropy {metrics.get('entropy', float('nan')):.3f}")
+  if "reward_mean" not in metrics:  # a rerun of a finished run: no step ran, nothing to report
+    print(f"{what} in {cfg.run_dir}: nothing left to do (its latest checkpoint is of step {done})")
+  else:
+    print(f"{what} in {cfg.run_dir}: reward {metrics['reward_mean']:.3f}, "
+          f"entropy {metrics.get('entropy', float('nan')):.3f}")
   return 0
 
 

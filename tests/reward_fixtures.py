@@ -7,3 +7,15 @@ def odd_length(completions, answers, rows):
   half the time, so groups have reward variance."""
   del answers, rows
   return [float(len(c) % 2) for c in completions]
+
+
+def nan_for_odd_length(completion, answer, row):
+  """Per completion: NaN for one of odd length (a broken reward), else 1."""
+  del answer, row
+  return float("nan") if len(completion) % 2 else 1.0
+
+
+def divides_by_zero(completions, answers, rows):
+  """A reward function that always raises."""
+  del answers, rows
+  return [1 / 0 for _ in completions]

@@ -16,7 +16,7 @@ import pytest
 
 from loop_fixtures import compilation_cache, make_loop_files, overrides
 from rft_jax import cli
-from rft_jax.train.metrics_log import read_metrics
+from rft_jax.train.metrics_log import read_jsonl, read_metrics
 from rft_jax.train.run_dir import RunDirLock
 
 
@@ -83,25 +83,35 @@ def test_a_write_that_fails_ends_the_run_with_the_file_and_the_cause(setup, tmp_
   assert f"cannot write {tmp_path / 'tb' / 'tensorboard'}: No space left on device" in err, err
   assert time.time() - started < 120 and [r["step"] for r in read_metrics(str(tmp_path / "tb"))] == [0, 1]
 
-  # a checkpoint saved in the background that fails is reported after the next step
+  # a checkpoint saved in the background that fails is reported after the step in progress, in one
+  # line naming the step, the directory and the OS error; it is never reported as saved
   monkeypatch.undo()
   import orbax.checkpoint as ocp
 
-  saves = []
-  real_check = ocp.CheckpointManager.check_for_errors
+  saves = []  # "started", then "done" once orbax's save call has returned (the rest is in the background)
+  real_save, real_wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
 
-  def failed_save(self):
-    if saves:
-      raise OSError(errno.ENOSPC, "No space left on device")
-    return real_check(self)
+  def save(self, *a, **k):
+    saves.append("started")
+    result = real_save(self, *a, **k)
+    saves.append("done")
+    return result
 
-  real_save = ocp.CheckpointManager.save
-  monkeypatch.setattr(ocp.CheckpointManager, "save", lambda self, *a, **k: saves.append(1) or real_save(self, *a, **k))
-  monkeypatch.setattr(ocp.CheckpointManager, "check_for_errors", failed_save)
+  def failed_in_the_background(self):
+    real_wait(self)
+    if saves[-1:] == ["done"]:
+      raise ValueError("RESOURCE_EXHAUSTED: Error writing \"params\": Failed to write 1410122 bytes to file 4: "
+                       "No space left on device [os_error_code='28']")
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+  monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", failed_in_the_background)
   assert cli.main(args(setup, tmp_path / "ckpt", 6, "checkpoint_every=2")) == 1
   err = capsys.readouterr().err
-  assert f"saving a checkpoint to {tmp_path / 'ckpt' / 'checkpoints'} failed" in err and "No space" in err
-  assert [r["step"] for r in read_metrics(str(tmp_path / "ckpt"))] == [0, 1, 2]  # stopped after step 2
+  assert err.splitlines()[-1] == (f"rft-jax train: error: cannot save step 2 to {tmp_path / 'ckpt' / 'checkpoints'}: "
+                                  "No space left on device (errno 28)"), err
+  assert "checkpoint of step 2 saved" not in err and "Traceback" not in err and "while stopping" not in err
+  assert [r["step"] for r in read_metrics(str(tmp_path / "ckpt"))] == [0, 1]  # step 2 ran, then it stopped
+  assert "RESOURCE_EXHAUSTED" in (tmp_path / "ckpt" / "debug.log").read_text()  # the details: in the debug log
 
 
 FULL_DISK_DRIVER = textwrap.dedent("""
@@ -149,6 +159,68 @@ def test_a_real_full_disk_ends_the_run_promptly(setup, tmp_path):
   assert result["stderr"] != "HUNG", "the run hung on a full disk"
   assert result["rc"] == 1 and result["seconds"] < 120, result
   assert "No space left on device" in result["stderr"] and str(mount / "run") in result["stderr"], result
+
+
+CHECKPOINT_DISK_DRIVER = textwrap.dedent("""
+    import json, os, shutil, signal, subprocess, sys, time
+    mount, copy, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", mount], check=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    committed = os.path.join(mount, "run", "checkpoints", "3")
+    while not os.path.isdir(committed) and proc.poll() is None:
+      time.sleep(0.02)
+    proc.send_signal(signal.SIGSTOP)  # fill the disk while the trainer is between checkpoints
+    with open(os.path.join(mount, "filler"), "wb", buffering=0) as f:
+      for size in (1 << 16, 1 << 12, 1):
+        try:
+          while True:
+            f.write(b"x" * size)
+        except OSError:
+          pass
+    os.truncate(os.path.join(mount, "filler"), os.path.getsize(os.path.join(mount, "filler")) - (64 << 10))
+    proc.send_signal(signal.SIGCONT)  # 64 KiB free: room for metrics, not for a checkpoint
+    try:
+      err = proc.communicate(timeout=180)[1]
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      err = "HUNG"
+    shutil.copytree(os.path.join(mount, "run"), copy, symlinks=True)
+    print(json.dumps({"rc": proc.returncode, "stderr": err}))
+""")
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="no unprivileged mount namespace for a small tmpfs "
+                    "(the failing-writer test above covers the same paths)")
+def test_a_checkpoint_that_fails_on_a_full_disk_stops_the_run_and_it_resumes_exactly(setup, tmp_path, capsys):
+  """The disk fills between checkpoints 3 and 6 (keep_checkpoints=1): the save of step 6 fails in
+  the background, the run stops after step 6 in one line, never having said step 6 was saved,
+  with orbax's traceback in the debug log; the run resumes from step 3 with the same metrics."""
+  mount, copy = tmp_path / "disk", tmp_path / "copy"
+  mount.mkdir()
+  extra = ("checkpoint_every=3", "keep_checkpoints=1")
+  cmd = [sys.executable, "-m", "rft_jax.cli", *args(setup, mount / "run", 8, *extra)]
+  out = subprocess.run(["unshare", "-rm", sys.executable, "-c", CHECKPOINT_DISK_DRIVER, str(mount), str(copy), *cmd],
+                       capture_output=True, text=True, timeout=600)
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  err = result["stderr"]
+  assert result["rc"] == 1, err
+  assert err.splitlines()[-1] == (f"rft-jax train: error: cannot save step 6 to {mount / 'run' / 'checkpoints'}: "
+                                  "No space left on device (errno 28)"), err
+  assert "checkpoint of step 3 saved" in err and "checkpoint of step 6" not in err and "Traceback" not in err
+  assert "absl" not in err and len(err.splitlines()) < 12, err  # orbax's log: in the debug log only
+  debug = (copy / "debug.log").read_text()
+  assert "saving step 6" in debug and "Traceback" in debug and "No space left on device" in debug
+  assert steps_of(copy) == [3] and not [p for p in (copy / "checkpoints").iterdir() if p.name.startswith("6")]
+  failed = read_metrics(str(copy))
+  assert [r["step"] for r in failed] == [0, 1, 2, 3, 4, 5]
+  assert cli.main(args(setup, copy, 8, *extra)) == 0  # the disk has room again (a copy of the run)
+  assert f"resumed from step 3 of {copy}" in capsys.readouterr().err
+  resumed = read_metrics(str(copy))
+  assert [r["step"] for r in resumed] == list(range(8))
+  for before, after in zip(failed[3:], resumed[3:6]):
+    for key in before:
+      if key != "time" and not key.startswith("timing/"):
+        assert before[key] == pytest.approx(after[key], rel=1e-6, abs=1e-9), (before["step"], key)
 
 
 # --- 2. --no-resume never mixes two runs --------------------------------------------------------
@@ -255,12 +327,13 @@ def test_a_second_trainer_is_refused_with_the_holders_pid_and_export_checks_the_
   (run / "trainer.lock").write_text("999999 on a-dead-host\n")  # a lock left by a killed trainer
   assert cli.main(args(setup, run, 1)) == 0
   capsys.readouterr()
-  export_refuses_nonfinite_parameters(run, tmp_path, capsys)
+  export_refuses_nonfinite_parameters(run, tmp_path, capsys, setup)
 
 
-def export_refuses_nonfinite_parameters(run, tmp_path, capsys):
+def export_refuses_nonfinite_parameters(run, tmp_path, capsys, setup):
   """``rft-jax export`` of a run whose latest checkpoint (written past the checks, as an older or
-  foreign one could be) holds NaN parameters: refused, naming the step; nothing written."""
+  foreign one could be) holds NaN parameters: refused, naming the step; nothing written. A resume
+  of the run refuses it too, naming the checkpoint."""
   import jax
 
   from rft_jax.train.checkpoint import RunCheckpointer
@@ -281,6 +354,13 @@ def export_refuses_nonfinite_parameters(run, tmp_path, capsys):
   checkpointer.close()
   assert cli.main(["export", str(run), str(tmp_path / "hf")]) == 1
   assert "step 2" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+  # a resume names the checkpoint at once, instead of blaming the NaN on the steps after it
+  records = (run / "metrics.jsonl").read_text()
+  assert cli.main(args(setup, run, 3)) == 1
+  err = capsys.readouterr().err
+  assert (f"rft-jax train: error: checkpoint {run / 'checkpoints' / '2'} (step 2) holds NaN or infinite "
+          f"parameters in ") in err and "e.g. params[" in err and "not finite" not in err, err
+  assert (run / "metrics.jsonl").read_text() == records and steps_of(run) == [1, 2]
 
 
 # --- 5. SIGTERM / SIGINT checkpoint the step and stop; a second signal exits at once -----------
@@ -316,12 +396,21 @@ def test_a_second_signal_exits_at_once(setup, tmp_path):
 
 
 def test_running_out_of_data_ends_with_a_checkpoint_and_a_message(setup, tmp_path, capsys):
-  run = tmp_path / "run"  # 6 training questions, 2 per step: one epoch is 3 steps
-  assert cli.main(args(setup, run, 10, "data.epochs=1")) == 0
+  run = tmp_path / "run"  # 7 training questions, 2 per step: one epoch is 3 steps, and 1 left over
+  assert cli.main(args(setup, run, 10, "data.epochs=1", "data.val_size=1")) == 0
   out = capsys.readouterr()
+  dropped = ("data: 7 training prompts x data.epochs=1 make 3 steps of data.prompts_per_step=2; the last 1 "
+             "prompt(s), too few for another step, are dropped")
+  assert out.err.count(dropped) == 1, out.err  # said once, not per step
   assert "the training data ran out (data.epochs=1) before step 3" in out.err
   assert "stopped after 3 of 10 steps (the training data ran out)" in out.out
   assert steps_of(run) == [3] and len(read_metrics(str(run))) == 3
+  assert read_metrics(str(run))[0]["data/dropped_prompts"] == 1
+  # the same command again has nothing left to do, and says so (no "reward nan")
+  assert cli.main(args(setup, run, 10, "data.epochs=1", "data.val_size=1")) == 0
+  out = capsys.readouterr().out
+  assert out.strip().endswith("in {}: nothing left to do (its latest checkpoint is of step 3)".format(run)), out
+  assert "nan" not in out and len(read_metrics(str(run))) == 3
 
 
 def test_an_evaluation_that_fails_leaves_a_checkpoint_of_the_steps_before_it(setup, tmp_path, monkeypatch):
@@ -356,7 +445,37 @@ def test_resume_refuses_config_changes_unless_allowed_and_keeps_the_old_config(s
   assert cli.main(args(setup, run, 3, "seed=3", "checkpoint_every=5")) == 0  # how long / how often: fine
 
 
-# --- 8. torn metrics and corrupt checkpoints ----------------------------------------------------
+# --- 8. reward functions that fail: counted, logged once, and stop a run they dominate -----------
+
+
+def test_failing_reward_functions_are_counted_and_stop_the_run_before_it_trains_on_zeros(setup, tmp_path, capsys):
+  run = tmp_path / "nan"
+  assert cli.main(args(setup, run, 2, "rewards.functions=[reward_fixtures:nan_for_odd_length]",
+                       "rewards.function_per_sample=true", "rewards.max_error_fraction=1.0")) == 0
+  err = capsys.readouterr().err
+  assert err.count("reward function reward_fixtures:nan_for_odd_length failed on") == 1, err  # once
+  assert "returned a non-finite reward (nan)" in err
+  rollouts = read_jsonl(str(run / "rollouts.jsonl"))  # step 0's 8 completions
+  odd = [r for r in rollouts if len(r["completion"]) % 2]
+  records = read_metrics(str(run))
+  assert records[0]["train/reward_errors"] == len(odd) and all(r["reward"] == 0 for r in odd)
+  assert all(r["reward"] == 1 for r in rollouts if r not in odd)
+  assert (0, "train/reward_errors") in tensorboard_scalars(run)
+
+  run = tmp_path / "raises"  # a function that always fails: stopped at step 0 with its traceback
+  assert cli.main(args(setup, run, 2, "rewards.functions=[reward_fixtures:divides_by_zero]")) == 1
+  err = capsys.readouterr().err
+  assert ("reward function reward_fixtures:divides_by_zero failed on 8 completion(s): ZeroDivisionError: "
+          "division by zero") in err and "in divides_by_zero" in err and "Traceback" in err
+  assert err.splitlines()[-1] == (
+      "rft-jax train: error: step 0: the rewards of 8 of 8 completions (100%) could not be computed (8 errors: "
+      "raised, or returned NaN, inf or the wrong count; 0 timeouts), above rewards.max_error_fraction=0.5; "
+      "stopping rather than training on zero rewards: see the first failure of each kind logged above, in "
+      "rewards.functions=['reward_fixtures:divides_by_zero']"), err
+  assert not (run / "metrics.jsonl").read_text() and steps_of(run) == []
+
+
+# --- 9. torn metrics and corrupt checkpoints ----------------------------------------------------
 
 
 def test_a_torn_metrics_line_is_dropped_with_a_warning(tmp_path):
@@ -396,14 +515,17 @@ def test_corrupt_latest_checkpoints_fall_back_to_the_last_good_one(setup, tmp_pa
   key = next(iter(record["checksums"]))
   record["checksums"][key] ^= 1
   meta.write_text(json.dumps(record))
-  with pytest.warns(UserWarning) as warned:
+  with pytest.warns(UserWarning, match="dropped a torn last record"):
     assert cli.main(args(setup, run, 4, "checkpoint_every=1", "keep_checkpoints=4")) == 0
-  messages = " ".join(str(w.message) for w in warned)
-  for step in (4, 3, 2):
-    assert f"checkpoint {run / 'checkpoints' / str(step)} (step {step})" in messages, messages
+  err = capsys.readouterr().err
+  for step in (4, 3, 2):  # one short line each (not TensorStore's multi-line spec)
+    (line,) = [line for line in err.splitlines() if f"checkpoint {run / 'checkpoints' / str(step)} (step {step})" in line]
+    assert line.endswith(f"moved it to {run / 'checkpoints'}.corrupt/, trying the previous checkpoint"), line
+    assert len(line) - 2 * len(str(run)) < 300 and "TensorStore" not in line and "spec" not in line, line
     assert (run / "checkpoints.corrupt" / str(step)).is_dir()
-  assert "(step 2) fails its checksum in 1 array(s)" in messages
-  assert "dropped a torn last record" in messages and "resumed from step 1" in capsys.readouterr().err
+  assert "(step 4) does not restore: OUT_OF_RANGE: Error reading" in err  # the truncated file
+  assert "(step 2) fails its checksum in 1 array(s)" in err and "resumed from step 1" in err
+  assert "Traceback" not in err and "does not restore" in (run / "debug.log").read_text()  # the details
   assert steps_of(run) == [1, 2, 3, 4] and [r["step"] for r in read_metrics(str(run))] == [0, 1, 2, 3]
 
 

@@ -54,6 +54,28 @@ def test_required_paths_and_missing_file(tmp_path):
     load_config(write(tmp_path, "typo: 1\n"), REQUIRED)
 
 
+def test_errors_name_where_the_bad_value_came_from(tmp_path):
+  """A value given on the command line is reported as the command line's (its override named),
+  one in the YAML file as the file's, whatever else the other holds."""
+  path = write(tmp_path, "steps: 3\nlearner:\n  lr: 2.0e-6\n")
+  for overrides, source in ((["learner.lr=1e39"], "the command line (learner.lr=1e39): learner.lr must be"),
+                            (["steps=0"], "the command line (steps=0): steps must be > 0"),
+                            (["sampling.n=x"], "the command line (sampling.n=x): Value 'x'"),
+                            (["learner.micro_batch_size=7"], "the command line (learner.micro_batch_size=7): "
+                                                             "data.prompts_per_step x sampling.n")):
+    with pytest.raises(ConfigError) as raised:
+      load_config(path, REQUIRED + overrides)
+    assert str(raised.value).startswith(source) and "c.yaml" not in str(raised.value), raised.value
+  bad = write(tmp_path, "steps: 3\nlearner:\n  lr: 1.0e39\n")
+  for overrides in ([], ["steps=2"]):  # an unrelated override does not take the blame
+    with pytest.raises(ConfigError, match=rf"^{bad}: learner.lr must be a finite number in \(0, 1\], got 1e\+39$"):
+      load_config(bad, REQUIRED + overrides)
+  assert load_config(bad, REQUIRED + ["learner.lr=1e-3"]).learner.lr == 1e-3  # the command line wins
+  typo = write(tmp_path, "sampling:\n  n: x\n")
+  with pytest.raises(ConfigError, match=rf"^{typo}: Value 'x'"):
+    load_config(typo, REQUIRED + ["steps=2"])
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen*.yaml"))),
                          ids=os.path.basename)
 def test_shipped_configs_load_once_paths_are_set(path):

@@ -131,6 +131,10 @@ class RewardConfig:
       ``function_weights``-weighted sum (plus the over-long penalty if on) instead of
       ``scheme``, and ``correct`` means a positive reward. ``function_per_sample``: call
       each per completion instead of once per batch.
+    max_error_fraction: a training run stops (instead of training on zeros) after a step in
+      which the rewards of more than this fraction of the completions could not be computed
+      (a user function raised, returned a non-finite value or the wrong count, or timed out;
+      a math check failed with an error), in [0, 1]; 1 never stops.
   """
 
   scheme: str = "binary"
@@ -145,6 +149,7 @@ class RewardConfig:
   functions: list[str] = dataclasses.field(default_factory=list)
   function_weights: list[float] = dataclasses.field(default_factory=list)
   function_per_sample: bool = False
+  max_error_fraction: float = 0.5
 
   def __post_init__(self):
     if self.function_weights and len(self.function_weights) != len(self.functions):
@@ -172,5 +177,7 @@ class RewardConfig:
     if self.step_time_limit_s is not None and (not _is_number(self.step_time_limit_s)
                                                or not self.step_time_limit_s > 0):
       raise ValueError(f"rewards.step_time_limit_s must be None or a number > 0, got {self.step_time_limit_s!r}")
+    if not _is_number(self.max_error_fraction) or not 0 <= self.max_error_fraction <= 1:
+      raise ValueError(f"rewards.max_error_fraction must be a number in [0, 1], got {self.max_error_fraction!r}")
     if self.memory_limit_mb is not None and (not _is_int(self.memory_limit_mb) or self.memory_limit_mb < 512):
       raise ValueError(f"rewards.memory_limit_mb must be None or an int >= 512, got {self.memory_limit_mb!r}")

@@ -50,9 +50,14 @@ class RewardResult:
     truncated: bool ``[B]``, ``finish_reason == 'length'``.
     timed_out: bool ``[B]``, a check of this completion hit the time limit (its own, or
       the batch's budget).
-    timeouts / errors: number of checks that timed out / failed in the batch.
+    timeouts / errors: number of checks that timed out / failed in the batch (with
+      ``RewardConfig.functions``: completions a function timed out / failed on: raised, or
+      returned a non-finite value or the wrong count).
     over_budget: how many of the ``timeouts`` the batch's budget
       (``RewardConfig.step_time_limit_s``) cut, not started or stopped when it ran out.
+    failed: bool ``[B]``, no reward could be computed and the completion scores 0: its check
+      failed with an error, or a user function failed or timed out on it (a math check that
+      times out is a wrong answer, by design, not a failure).
   """
 
   reward: np.ndarray
@@ -64,6 +69,11 @@ class RewardResult:
   timeouts: int
   errors: int
   over_budget: int = 0
+  failed: Optional[np.ndarray] = None  # None: nothing failed
+
+  def failures(self) -> int:
+    """How many completions' rewards could not be computed (:attr:`failed`)."""
+    return 0 if self.failed is None else int(self.failed.sum())
 
   def metrics(self, prefix: str = "reward/") -> dict[str, float]:
     """Batch means and counts for logging."""
@@ -136,11 +146,11 @@ def score_batch(
   correct = np.zeros(n, bool)
   unformatted_correct = np.zeros(n, bool)
   timed_out = np.zeros(n, bool)
-  errors = 0
+  failed = np.zeros(n, bool)
   for i, in_box, verdict in zip(owners, is_boxed, verdicts):
     (correct if in_box else unformatted_correct)[i] = verdict is Verdict.CORRECT
     timed_out[i] = verdict is Verdict.TIMEOUT
-    errors += verdict is Verdict.ERROR
+    failed[i] = verdict is Verdict.ERROR
 
   reward = _with_overlong_penalty(scheme.fn(correct, formatted, unformatted_correct, truncated),
                                   lengths, config)
@@ -152,8 +162,9 @@ def score_batch(
       truncated=truncated,
       timed_out=timed_out,
       timeouts=int(timed_out.sum()),
-      errors=int(errors),
+      errors=int(failed.sum()),
       over_budget=int(over_budget),
+      failed=failed,
   )
 
 
@@ -169,14 +180,11 @@ def _score_with_functions(completions, answers, rows, lengths, truncated, config
   if pool is None:
     pool = default_pool(config.num_workers, memory_limit_mb=config.memory_limit_mb)
   rows = [{"answer": a} for a in answers] if rows is None else list(rows)
-  reward, timed_out, errors, over_budget = function_rewards(
+  reward, timed_out, errored, over_budget = function_rewards(
       config.functions, config.function_weights, config.function_per_sample, completions, answers,
       rows, pool=pool, timeout_s=config.timeout_s, budget_s=config.step_time_limit_s)
-  if errors or timed_out.any():
-    logger.warning("rewards: %d completions' user reward failed and %d timed out; they score 0",
-                   errors, int(timed_out.sum()))
   reward = _with_overlong_penalty(reward, lengths, config)
   none = np.zeros(len(completions), bool)
   return RewardResult(reward=reward, correct=reward > 0, formatted=none, unformatted_correct=none,
                       truncated=truncated, timed_out=timed_out, timeouts=int(timed_out.sum()),
-                      errors=int(errors), over_budget=int(over_budget))
+                      errors=int(errored.sum()), over_budget=int(over_budget), failed=errored | timed_out)

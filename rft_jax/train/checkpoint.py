@@ -13,19 +13,26 @@ Saving is asynchronous (the loop goes on while the arrays are written) and only 
 ``keep`` most recent checkpoints are kept. On several processes every process must make
 the same calls (orbax coordinates them: each writes its own shards, process 0 the metadata).
 
-Faults: a save that fails in the background is reported by :meth:`RunCheckpointer.check`
-(the loop calls it after every step) as a :class:`WriteError`; a state with non-finite
-parameters is never saved (:class:`NonFiniteError`); a latest checkpoint that cannot be
-restored, or whose arrays fail their checksums, is moved to ``RUN_DIR/checkpoints.corrupt/``
-with a warning and the previous one is restored instead.
+Faults: :meth:`RunCheckpointer.wait` (the loop calls it after the step that follows a save)
+returns a save's step only once its directory is committed; a save that failed in the
+background (a full disk) is a :class:`WriteError` of one line naming the step, the directory
+and the OS error, its partial directory is removed, and orbax's traceback goes to the
+``rft_jax.debug`` logger (``RUN_DIR/debug.log``), not the console. (Orbax's own finalizing
+thread can log such an error and drop it, so a save is judged by its committed directory.) A
+state with non-finite parameters is never saved (:class:`NonFiniteError`); a latest checkpoint
+that cannot be restored, or whose arrays fail their checksums, is moved to
+``RUN_DIR/checkpoints.corrupt/`` with a one-line warning and the previous one is restored
+instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
+import re
 import shutil
-import warnings
 from typing import Any
 
 import jax
@@ -34,7 +41,9 @@ import orbax.checkpoint as ocp
 
 from rft_jax.parallel import host_array, is_main_process, sync_processes
 from rft_jax.rl import nonfinite
+from rft_jax.train.debug_log import debug_logger, linger
 from rft_jax.train.errors import CorruptCheckpointError, NonFiniteError, WriteError
+from rft_jax.train.status import logger
 
 
 @jax.jit
@@ -68,6 +77,29 @@ def all_finite(tree: Any) -> bool:
   return bool(host_array(_all_finite(tree)))
 
 
+@jax.jit
+def _leaves_finite(tree):
+  return jax.tree.map(lambda x: nonfinite.all_finite([x]), tree)
+
+
+def nonfinite_arrays(tree: Any) -> list[str]:
+  """The tree paths of the floating-point arrays of ``tree`` that hold NaN or infinity."""
+  return [jax.tree_util.keystr(path) for path, finite in jax.tree_util.tree_leaves_with_path(
+      _leaves_finite(tree)) if not bool(host_array(finite))]
+
+
+class _OrbaxErrors(logging.Handler):
+  """Keeps the last exception orbax logged (through absl), for a save it logged and dropped."""
+
+  def __init__(self):
+    super().__init__(logging.ERROR)
+    self.last: BaseException | None = None
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if record.exc_info and record.exc_info[1] is not None:
+      self.last = record.exc_info[1]
+
+
 class RunCheckpointer:
   """Saves and restores ``(state, meta)`` pairs of a run directory."""
 
@@ -78,6 +110,10 @@ class RunCheckpointer:
     with _writing(f"cannot create {self.directory}"):
       self._manager = ocp.CheckpointManager(self.directory, options=options,
                                             item_names=("state", "meta"))
+    self._pending: int | None = None  # the step of a save started and not yet waited for
+    self._failed = False  # a save failed (reported once, by wait)
+    self._orbax_errors = _OrbaxErrors()
+    logging.getLogger("absl").addHandler(self._orbax_errors)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -90,19 +126,18 @@ class RunCheckpointer:
     if not all_finite(state.params):
       raise NonFiniteError(f"not saving step {step} to {self.directory}: its parameters hold NaN or "
                            f"infinity")
-    self.check()
+    self.wait()  # a save still pending is judged first, under its own step
     meta = {**meta, "checksums": state_checksums(state)}
-    with _writing(f"cannot save step {step} to {self.directory}"):
+    self._orbax_errors.last = None
+    try:
       saved = self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                                meta=ocp.args.JsonSave(meta)))
+    except Exception as exc:  # what is written in the calling thread (metadata, directories)
+      raise self._failure(step, exc) from exc
     if not saved:
       raise WriteError(f"orbax did not save step {step} to {self.directory} (a checkpoint of that "
                        f"step exists: is another run writing here?)")
-
-  def check(self) -> None:
-    """Raises :class:`WriteError` if a background save has failed (e.g. the disk is full)."""
-    with _writing(f"saving a checkpoint to {self.directory} failed"):
-      self._manager.check_for_errors()
+    self._pending = step
 
   def restore(self, template: Any, step: int | None = None, *,
               move_corrupt: bool = True) -> tuple[Any, dict, int]:
@@ -123,7 +158,9 @@ class RunCheckpointer:
         if move_corrupt:
           self._move_aside(candidate)
         moved = f"moved it to {self.directory}.corrupt/, " if move_corrupt else ""
-        warnings.warn(f"{exc}; {moved}trying the previous checkpoint", stacklevel=2)
+        logger.warning("%s; %strying the previous checkpoint", exc, moved)
+        debug_logger.warning("checkpoint of step %d does not restore", candidate, exc_info=exc.__cause__)
+        linger()  # orbax's abandoned reads report when they are collected
     if failures:
       raise CorruptCheckpointError("no checkpoint restores: " + "; ".join(failures))
     raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -138,7 +175,7 @@ class RunCheckpointer:
           state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     except Exception as exc:  # orbax / tensorstore raise many kinds on torn files
       raise CorruptCheckpointError(f"checkpoint {path} (step {step}) does not restore: "
-                                   f"{_first_line(exc)}") from exc
+                                   f"{_root_cause(exc)}") from exc
     meta = dict(restored.meta)
     expected = meta.pop("checksums", None)
     if expected is not None:
@@ -157,21 +194,88 @@ class RunCheckpointer:
     sync_processes("rft_jax.move_corrupt_checkpoint")
     self._manager.reload()
 
-  def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
-    with _writing(f"saving a checkpoint to {self.directory} failed"):
+  def wait(self) -> int | None:
+    """Blocks until the pending save is on disk; returns its step once its directory is
+    committed (None if no save was pending).
+
+    Raises :class:`WriteError` ``cannot save step N to DIR: <OS error>`` if it failed (its
+    partial directory removed, orbax's traceback sent to the debug log).
+    """
+    step, self._pending = self._pending, None
+    try:
       self._manager.wait_until_finished()
+      error = None
+    except Exception as exc:  # the background save's error, raised here by orbax
+      error = exc
+    if step is None:
+      if error is not None:
+        raise WriteError(f"saving a checkpoint to {self.directory} failed: {_os_error(error)}") from error
+      return None
+    if error is None and os.path.isdir(os.path.join(self.directory, str(step))):
+      return step
+    error = error or self._orbax_errors.last
+    raise self._failure(step, error) from error
+
+  def _failure(self, step: int, error: BaseException | None) -> WriteError:
+    """The one-line error of a save of ``step`` that failed with ``error`` (None: orbax did not
+    say why), its traceback sent to the debug log and its partial directory removed."""
+    self._failed = True
+    linger()  # orbax's abandoned writes report when they are collected, at exit: not on the console
+    if is_main_process():  # first: on a full disk, that makes room for the debug log's traceback
+      for partial in glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")):
+        shutil.rmtree(partial, ignore_errors=True)
+    debug_logger.error("saving step %d to %s failed", step, self.directory, exc_info=error)
+    reason = _os_error(error) if error is not None else "orbax did not commit it"
+    return WriteError(f"cannot save step {step} to {self.directory}: {reason}")
 
   def close(self) -> None:
+    """Waits for the pending save (:meth:`wait`) and closes orbax's manager; a failure that
+    :meth:`wait` has already raised is not raised again."""
+    reported = self._failed
+    failure = None
     try:
       self.wait()
-    finally:
+    except WriteError as exc:
+      failure = None if reported else exc
+    try:
       self._manager.close()
+    except Exception as exc:  # orbax re-raises a background error it has raised before
+      if not self._failed and failure is None:
+        failure = WriteError(f"saving a checkpoint to {self.directory} failed: {_os_error(exc)}")
+        failure.__cause__ = exc
+    logging.getLogger("absl").removeHandler(self._orbax_errors)
+    if failure is not None:
+      raise failure
 
 
-def _first_line(exc: BaseException) -> str:
-  text = str(exc).strip()
-  return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+def _chain(exc: BaseException) -> list[BaseException]:
+  """``exc`` and the exceptions it was raised from, outermost first."""
+  chain = []
+  while exc is not None and exc not in chain:
+    chain.append(exc)
+    exc = exc.__cause__ or exc.__context__
+  return chain
+
+
+def _root_cause(exc: BaseException) -> str:
+  """One short line of the innermost error under ``exc`` (TensorStore's first errors carry a
+  multi-line spec; the innermost says what is wrong with the file)."""
+  root = _chain(exc)[-1]
+  text = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+  text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
+  return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _os_error(exc: BaseException) -> str:
+  """The OS error under an orbax / TensorStore failure (``No space left on device (errno 28)``),
+  else :func:`_root_cause`."""
+  for cause in _chain(exc):
+    if isinstance(cause, OSError) and cause.errno:
+      return f"{cause.strerror or os.strerror(cause.errno)} (errno {cause.errno})"
+    code = re.search(r"os_error_code='(\d+)'", str(cause))
+    if code:
+      return f"{os.strerror(int(code[1]))} (errno {code[1]})"
+  return _root_cause(exc)
 
 
 @contextlib.contextmanager
@@ -182,7 +286,7 @@ def _writing(what: str):
   except WriteError:
     raise
   except Exception as exc:
-    raise WriteError(f"{what}: {_first_line(exc)}") from exc
+    raise WriteError(f"{what}: {_os_error(exc)}") from exc
 
 
 def restore_policy(run_dir: str, step: int | None = None):

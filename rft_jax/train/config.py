@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from typing import Any, Optional, Sequence
 
@@ -374,6 +375,10 @@ def resolve_paths(config: TrainConfig) -> TrainConfig:
 
 
 def _merge(path: str | None, overrides: Sequence[str], defaults: dict, where: str) -> TrainConfig:
+  """The config of the schema, ``defaults``, the YAML file and the overrides, in that order; an
+  error names where the bad value came from: the file, or the command line and its override
+  (:func:`_source_of`)."""
+  stage = where  # whose values are being merged, for an error OmegaConf raises while merging
   try:
     merged = OmegaConf.structured(TrainConfig)
     if defaults:
@@ -381,17 +386,45 @@ def _merge(path: str | None, overrides: Sequence[str], defaults: dict, where: st
     if path:
       merged = OmegaConf.merge(merged, _load_yaml(path))
     if overrides:
+      stage = "the command line"
       merged = OmegaConf.merge(merged, _parse_overrides(overrides))
-    try:
-      return OmegaConf.to_object(merged)
-    except ConfigError as exc:  # a dataclass __post_init__ check: say where the values came from
-      raise ConfigError(f"{where}: {exc}") from exc
+    stage = None
+    return OmegaConf.to_object(merged)
+  except ConfigError as exc:
+    if stage is not None:  # the file or an override could not be read: the message names it
+      raise
+    raise ConfigError(f"{_source_of(str(exc), path, overrides, defaults)}: {exc}") from exc
   except OmegaConfBaseException as exc:
-    raise ConfigError(f"{where}: {_describe(exc)}") from exc
-  except ConfigError:
-    raise
+    key = getattr(exc, "full_key", None)
+    source = stage or _source_of(str(key or exc), path, overrides, defaults)
+    if stage == "the command line" and key:
+      source = _source_of(key, None, overrides, {})
+    raise ConfigError(f"{source}: {_describe(exc)}") from exc
   except ValueError as exc:  # a dataclass __post_init__ check
-    raise ConfigError(f"{where}: {exc}") from exc
+    raise ConfigError(f"{_source_of(str(exc), path, overrides, defaults)}: {exc}") from exc
+
+
+def _override_key(override: str) -> str:
+  return override.partition("=")[0].strip()
+
+
+def _source_of(message: str, path: str | None, overrides: Sequence[str], defaults: dict) -> str:
+  """Where the value a check refused (its ``message``) came from: ``the command line
+  (key=value)`` when the message names an override's key; else the YAML file if it fails the
+  same check without the overrides (else the file and the command line together)."""
+  named = [o for o in overrides if re.search(rf"(?<![\w.]){re.escape(_override_key(o))}(?![\w])", message)]
+  if named:
+    return f"the command line ({', '.join(named)})"
+  if not path:
+    return "the command line"
+  if not overrides:
+    return path
+  try:
+    _merge(path, (), defaults, path)
+  except ConfigError as exc:
+    if str(exc) == f"{path}: {message}":
+      return path
+  return f"{path} with the command line's overrides"
 
 
 def _load_yaml(path: str):

@@ -23,6 +23,12 @@ class NonFiniteError(RunError):
   """The loss or gradient norm stayed non-finite, or parameters to be saved are non-finite."""
 
 
+class RewardError(RunError):
+  """The rewards of more than ``rewards.max_error_fraction`` of a step's completions could not
+  be computed (a reward function that fails, hangs or returns NaN): the run stops rather than
+  train on zeros."""
+
+
 class CorruptCheckpointError(RunError):
   """A checkpoint that cannot be restored (unreadable files, or arrays that fail their checksum)."""
 

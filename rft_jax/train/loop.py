@@ -29,7 +29,7 @@ from rft_jax import data as data_lib
 from rft_jax.models import load_hf, load_tokenizer
 from rft_jax.models.tokenizer import prompt_token_ids
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
-from rft_jax.rewards import score_batch
+from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
@@ -37,10 +37,11 @@ from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 from rft_jax.sampling import generate, learner_arrays
-from rft_jax.train.checkpoint import RunCheckpointer
+from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
 from rft_jax.train.config import DataConfig, TrainConfig
-from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
+from rft_jax.train.debug_log import debug_log
+from rft_jax.train.errors import NonFiniteError, Preempted, RewardError, WriteError
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metric_names import logged_name
 from rft_jax.train.metrics_log import JsonlFile, MetricsLog, NullLog
@@ -103,6 +104,7 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
                                                 cfg.data.max_prompt_len)
   stream = data_lib.PromptStream(prompts, prompts_per_step=cfg.data.prompts_per_step, seed=cfg.seed,
                                  epochs=cfg.data.epochs)
+  dropped = _dropped_prompts(len(prompts), cfg.data)
   reference = load(cfg.model.ref_path) if cfg.model.ref_path and cfg.learner.kl_coef > 0 else None
   critic = critic_state = None
   if cfg.learner.advantage == "gae":  # a copy of the starting policy's decoder (or model.critic_path)
@@ -118,8 +120,21 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
   run = Run(cfg, mesh, learner, tokenizer, stream, validation, inputs.eval_sets,
             stop_token_ids(tokenizer, model.config.eos_token_id),
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
-             "train_prompts": len(prompts), "validation_prompts": len(validation)}, critic)
+             "train_prompts": len(prompts), "validation_prompts": len(validation),
+             "dropped_prompts": dropped}, critic)
   return run, state
+
+
+def _dropped_prompts(prompts: int, data: DataConfig) -> int:
+  """How many of ``data.epochs`` passes' prompts do not fill a last step (said once, here)."""
+  if not data.epochs:
+    return 0
+  dropped = prompts * data.epochs % data.prompts_per_step
+  if dropped and is_main_process():
+    logger.warning("data: %d training prompts x data.epochs=%d make %d steps of data.prompts_per_step=%d; "
+                   "the last %d prompt(s), too few for another step, are dropped", prompts, data.epochs,
+                   prompts * data.epochs // data.prompts_per_step, data.prompts_per_step, dropped)
+  return dropped
 
 
 def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
@@ -236,6 +251,7 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
       break
     refills += 1
     parts.append(sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101 + refills))
+  check_reward_failures(parts, step, cfg.rewards)
   chosen = _select_groups(parts, n, groups, cfg.dynamic_sampling)
   arrays = batch_arrays(chosen)
   rewards = shaped = chosen_field(chosen, "reward").astype(np.float32)
@@ -257,6 +273,21 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
                        response_mask=arrays["response_mask"], advantages=advantages,
                        sampler_logp=arrays["sampler_logp"])
   return StepRollouts(batch, rewards, correct, chosen, parts, refills, critic_targets)
+
+
+def check_reward_failures(parts: list[dict], step: int, rewards: RewardConfig) -> None:
+  """Raises :class:`RewardError` if the rewards of more than ``rewards.max_error_fraction`` of
+  the step's completions (``parts``: its sampling rounds) could not be computed."""
+  failed = sum(p["scored"].failures() for p in parts)
+  total = sum(len(p["scored"].reward) for p in parts)
+  if total and failed / total > rewards.max_error_fraction:
+    errors, timeouts = (sum(p["scored"].errors for p in parts), sum(p["scored"].timeouts for p in parts))
+    what = f"rewards.functions={list(rewards.functions)}" if rewards.functions else "the math checks"
+    raise RewardError(
+        f"step {step}: the rewards of {failed} of {total} completions ({failed / total:.0%}) could not be "
+        f"computed ({errors} errors: raised, or returned NaN, inf or the wrong count; {timeouts} "
+        f"timeouts), above rewards.max_error_fraction={rewards.max_error_fraction}; stopping rather than "
+        f"training on zero rewards: see the first failure of each kind logged above, in {what}")
 
 
 def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict) -> list[dict]:
@@ -328,6 +359,7 @@ def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict
       "zero_variance_group_frac": float(np.mean(np.ptp(all_rewards, axis=1) == 0)),
       "refills": float(refills),
       "reward_timeouts": float(sum(p["scored"].timeouts for p in parts)),
+      "reward_errors": float(sum(p["scored"].errors for p in parts)),
       "reward_over_budget": float(sum(p["scored"].over_budget for p in parts)),
       "time_sample": sample_time, "time_reward": sum(p["reward_time"] for p in parts),
       "time_learner": learn_time, "sample_tokens_per_s": tokens / max(sample_time, 1e-9),
@@ -352,9 +384,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
 
   Faults end the run with a :class:`rft_jax.train.errors.RunError` naming the cause, after
   saving the last completed step when that is possible: a second trainer on the directory,
-  a failed write (metrics, TensorBoard, checkpoint), ``max_nonfinite_steps`` skipped steps in
-  a row, SIGTERM / SIGINT (after finishing the step), an evaluation that fails. Running out
-  of data (``data.epochs``) ends the run early with a checkpoint and a message.
+  a failed write (metrics, TensorBoard; a checkpoint's background save, judged after the step
+  that follows it), ``max_nonfinite_steps`` skipped steps in a row, a step whose rewards failed
+  beyond ``rewards.max_error_fraction``, a checkpoint to resume with non-finite parameters,
+  SIGTERM / SIGINT (after finishing the step), an evaluation that fails. Running out of data
+  (``data.epochs``) ends the run early with a checkpoint and a message. The details behind a
+  fault's one line go to ``RUN_DIR/debug.log`` (:mod:`rft_jax.train.debug_log`).
 
   On several processes (one per host) every process runs this with the same config: all
   of them sample, score, learn and checkpoint (orbax coordinates the writes); only
@@ -370,22 +405,24 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
     if main:
       prepare_run_dir(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
     sync_processes("rft_jax.prepare_run_dir")
-    run, state = build_run(cfg, inputs)
-    checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
-    start = 0
-    if resume and checkpointer.latest_step() is not None:
-      state, meta, start = checkpointer.restore(state)
-      run.stream.set_state(meta["data"])
-      if main:
-        logger.info("resumed from step %d of %s", start, cfg.run_dir)
-    resume_from = start if start else None
-    mirror = (WandbLog(cfg.run_dir, cfg.logging, dataclasses.asdict(cfg), resume=resume)
-              if main and cfg.logging.wandb else None)
-    log = MetricsLog(cfg.run_dir, resume_from_step=resume_from, mirror=mirror) if main else NullLog()
-    completions = {name: JsonlFile(os.path.join(cfg.run_dir, f"{name}.jsonl"), resume_from_step=resume_from)
-                   for name, on in (("rollouts", cfg.log_rollouts_every), ("eval_completions", cfg.eval.save_completions))
-                   if on and main}
-    return _run_steps(run, state, start, checkpointer, log, signals, completions, cache)
+    with debug_log(cfg.run_dir, jax.process_index()):
+      run, state = build_run(cfg, inputs)
+      checkpointer = RunCheckpointer(os.path.join(cfg.run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
+      start = 0
+      if resume and checkpointer.latest_step() is not None:
+        state, meta, start = checkpointer.restore(state)
+        _check_restored(state, checkpointer, start)
+        run.stream.set_state(meta["data"])
+        if main:
+          logger.info("resumed from step %d of %s", start, cfg.run_dir)
+      resume_from = start if start else None
+      mirror = (WandbLog(cfg.run_dir, cfg.logging, dataclasses.asdict(cfg), resume=resume)
+                if main and cfg.logging.wandb else None)
+      log = MetricsLog(cfg.run_dir, resume_from_step=resume_from, mirror=mirror) if main else NullLog()
+      completions = {name: JsonlFile(os.path.join(cfg.run_dir, f"{name}.jsonl"), resume_from_step=resume_from)
+                     for name, on in (("rollouts", cfg.log_rollouts_every), ("eval_completions", cfg.eval.save_completions))
+                     if on and main}
+      return _run_steps(run, state, start, checkpointer, log, signals, completions, cache)
 
 
 def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, signals,
@@ -400,13 +437,21 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
   skipped_in_row = skipped_total = 0
 
   def save(step: int) -> None:
+    """Starts saving ``step``; :func:`committed` reports it once it is on disk."""
     nonlocal saved
+    committed()  # a save still in flight first
     checkpointer.save(step, state, _checkpoint_meta(run, step))
     log.flush()
     for f in completions.values():
       f.flush()
     saved = step
-    logger.info("checkpoint of step %d -> %s", step, checkpointer.directory)
+
+  def committed() -> None:
+    """Waits for the save in flight: a status line once it is committed, else the run stops
+    with :class:`WriteError` (before the next step or the metrics write, on a full disk)."""
+    step = checkpointer.wait()
+    if step is not None:
+      logger.info("checkpoint of step %d saved in %s", step, checkpointer.directory)
 
   try:
     if cfg.eval.at_start and start == 0:
@@ -415,6 +460,7 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
       try:
         started = time.perf_counter()
         state, metrics = train_step(run, state, step, completions.get("rollouts"))
+        committed()  # the save started after the previous step: judged before anything else
         if step == start:
           logger.info("first step done in %.0f s (compiling the sampler and the learner step; "
                       "%d programs loaded from the compilation cache, %.0f s of compiling saved)",
@@ -439,7 +485,6 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
       if step == start:
         metrics.update({f"data_{k}": float(v) for k, v in run.data_report.items()})
       log.write(step, metrics)
-      checkpointer.check()
       progress.update(1)
       progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", entropy=f"{metrics['entropy']:.3f}")
       if skipped_in_row >= cfg.max_nonfinite_steps:
@@ -451,14 +496,15 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
       if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps or stop:
         save(done)
       if stop:
-        checkpointer.wait()
+        committed()
         raise Preempted(f"stopped by {signal.Signals(stop).name} after step {done}: checkpoint of "
                         f"step {done} in {checkpointer.directory}; rerun the command to resume", stop)
     if done > saved:
       save(done)
+    committed()
   except BaseException as exc:
     if done > saved and not isinstance(exc, (WriteError, Preempted)):
-      _save_after_error(save, done, state)
+      _save_after_error(lambda step: (save(step), committed()), done, state)
     progress.close()
     _close_quietly(checkpointer.close, log.close, *(f.close for f in completions.values()))
     raise
@@ -468,6 +514,19 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
   for f in completions.values():
     f.close()
   return {**metrics, "steps_done": done}
+
+
+def _check_restored(state, checkpointer: RunCheckpointer, step: int) -> None:
+  """Refuses to resume from parameters that hold NaN or infinity (a checkpoint written past
+  :meth:`RunCheckpointer.save`'s check, by an older version or another program): named here,
+  not blamed on the first step that trains on them."""
+  bad = nonfinite_arrays(state.params)
+  if bad:
+    checkpointer.close()
+    raise NonFiniteError(
+        f"checkpoint {os.path.join(checkpointer.directory, str(step))} (step {step}) holds NaN or "
+        f"infinite parameters in {len(bad)} array(s), e.g. params{bad[0]}; move it out of "
+        f"{checkpointer.directory} to resume from the one before")
 
 
 def _save_after_error(save, step: int, state) -> None:

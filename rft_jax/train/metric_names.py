@@ -7,7 +7,7 @@ TensorBoard (tags are written as they are, ``@`` included). :data:`NAMES` is the
 written before the scheme read back under the new names (:func:`rft_jax.train.metrics_log.read_metrics`).
 
 ==============  =========================================================================
-``train/``      the step's rollouts: rewards, accuracy, lengths, refills, reward timeouts
+``train/``      the step's rollouts: rewards, accuracy, lengths, refills, reward timeouts and errors
 ``actor/``      the policy update: loss, gradient norm, learning rate, entropy, PPO clip
                 fractions, KL, non-finite steps
 ``entropy/``    the paper's statistics: S_*, S_* - E_p[S], Corollary 4's forecast of the
@@ -30,7 +30,7 @@ NAMES = {
     "reward_mean": "train/reward_mean", "reward_std": "train/reward_std", "accuracy": "train/accuracy",
     "response_length_mean": "train/response_length_mean", "response_length_max": "train/response_length_max",
     "truncated_frac": "train/truncated_frac", "zero_variance_group_frac": "train/zero_variance_group_frac",
-    "refills": "train/refills", "reward_timeouts": "train/reward_timeouts",
+    "refills": "train/refills", "reward_timeouts": "train/reward_timeouts", "reward_errors": "train/reward_errors",
     "reward_over_budget": "train/reward_over_budget",
     # actor/: the update
     "loss": "actor/loss", "grad_norm": "actor/grad_norm", "lr": "actor/lr", "entropy": "actor/entropy",

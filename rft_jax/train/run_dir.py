@@ -34,10 +34,11 @@ CHANGEABLE_ON_RESUME = ("run_dir", "steps", "progress", "checkpoint_every", "kee
                         "sampling.kv_pages", "sampling.page_size",
                         "learner.micro_batch_size", "learner.micro_batch_tokens",
                         "learner.stats_chunk_size",
-                        "learner.forecast_every", "log_rollouts_every", "logging.")
+                        "learner.forecast_every", "log_rollouts_every", "logging.",
+                        "rewards.max_error_fraction")
 # What belongs to a run (deleted by overwrite).
 RUN_FILES = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "tensorboard", "rollouts.jsonl",
-             "eval_completions.jsonl", "wandb_run_id")  # not wandb/: offline W&B runs may be unsynced
+             "eval_completions.jsonl", "wandb_run_id", "debug.log")  # not wandb/: offline W&B runs may be unsynced
 
 
 class RunDirLock:
@@ -87,7 +88,7 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool = False,
   metrics = os.path.join(run_dir, "metrics.jsonl")
   config_path = os.path.join(run_dir, "config.yaml")
   if overwrite:
-    for name in RUN_FILES + tuple(n for n in _listdir(run_dir) if n.startswith("config.")):
+    for name in RUN_FILES + tuple(n for n in _listdir(run_dir) if n.startswith(("config.", "debug."))):
       path = os.path.join(run_dir, name)
       if os.path.isdir(path):
         shutil.rmtree(path)
