@@ -71,14 +71,12 @@ struct Shapes {
 
 // out0[0:kBlock] = sum_m w0[m] rows[m * stride : m * stride + kBlock] for m < count, and out1
 // with w1: four registers of sums per output (eight independent chains of products), each row's
-// kBlock floats read once for both. ``ahead``: the same rows of the next (row, key head) pair,
-// fetched into the cache meanwhile (the keys are read along strided rows, which the hardware
-// prefetchers follow poorly).
-void two_weighted_sums(const float* rows, const float* ahead, int64_t stride, int64_t count,
-                       const float* w0, const float* w1, float* out0, float* out1) {
+// kBlock floats read once for both. (Fetching the next (row, key head) pair's rows meanwhile, as
+// the 16-lane kernel did, made it no faster once the loop stopped spilling.)
+void two_weighted_sums(const float* rows, int64_t stride, int64_t count, const float* w0,
+                       const float* w1, float* out0, float* out1) {
   fvec a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-  for (int64_t m = 0; m < count; ++m, rows += stride, ahead += stride) {
-    for (int c = 0; c < kBlock; c += 16) __builtin_prefetch(ahead + c, 0, 1);
+  for (int64_t m = 0; m < count; ++m, rows += stride) {
     const fvec r0 = load(rows), r1 = load(rows + kLanes), r2 = load(rows + 2 * kLanes),
                r3 = load(rows + 3 * kLanes);
     const float x = w0[m], y = w1[m];
@@ -115,14 +113,14 @@ void two_weighted_sums_1(const float* rows, int64_t stride, int64_t count, const
 }
 
 // scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n:
-// kBlock slots at a time over all H rows of keys (``ahead``: the next pair's keys), then one
+// kBlock slots at a time over all H rows of keys, then one
 // register's worth; the last partial register is recomputed over the last kLanes slots (the same
 // sums, so the same values), so only rows of fewer than kLanes live slots go slot by slot.
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
-                const float* ahead, int64_t lo, int64_t n, float* out0, float* out1) {
+                int64_t lo, int64_t n, float* out0, float* out1) {
   int64_t t = 0;
   for (; t + kBlock <= n; t += kBlock)
-    two_weighted_sums(keys + lo + t, ahead + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
+    two_weighted_sums(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
   for (; t + kLanes <= n; t += kLanes)
     two_weighted_sums_1(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
   if (t < n && n >= kLanes) {
@@ -198,11 +196,9 @@ struct LiveSpan {
 };
 
 // Attention of the g queries of one (row, key head) pair: q [g, h], keys [h, s], values [s, h],
-// over its row's live span; out [g, h]. next_keys, next_values: the pair after it, fetched
-// meanwhile. scratch: the scores of every query.
+// over its row's live span; out [g, h]. scratch: the scores of every query.
 void attend_pair(const Shapes& d, const float* q, const float* keys, const float* values,
-                 const float* next_keys, const float* next_values, const LiveSpan& span,
-                 float* out, std::vector<float>& scratch) {
+                 const LiveSpan& span, float* out, std::vector<float>& scratch) {
   std::fill(out, out + d.g * d.h, 0.0f);
   if (span.n == 0) {  // no live slot (never in decoding): every slot alike, as attend gives
     for (int64_t t = 0; t < d.s; ++t)
@@ -216,7 +212,7 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
     const int64_t j1 = std::min(j + 1, d.g - 1);
     const float *q0 = q + j * d.h, *q1 = q + j1 * d.h;
     float *s0 = scratch.data() + j * padded, *s1 = scratch.data() + j1 * padded;
-    scores_two(d, q0, q1, keys, next_keys, lo, n, s0, s1);
+    scores_two(d, q0, q1, keys, lo, n, s0, s1);
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.h));
   for (int64_t j = 0; j < d.g; ++j)
@@ -228,7 +224,7 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
     const float* rows = values + lo * d.h;  // out[j, i] = sum_t p[j, t] values[lo + t, i]
     int64_t i = 0;
     for (; i + kBlock <= d.h; i += kBlock)
-      two_weighted_sums(rows + i, next_values + lo * d.h + i, d.h, n, p0, p1, o0 + i, o1 + i);
+      two_weighted_sums(rows + i, d.h, n, p0, p1, o0 + i, o1 + i);
     for (; i + kLanes <= d.h; i += kLanes)
       two_weighted_sums_1(rows + i, d.h, n, p0, p1, o0 + i, o1 + i);
     for (; i < d.h; ++i) {
@@ -257,14 +253,12 @@ struct Work {
   void run() {
     thread_local std::vector<float> scratch;
     thread_local LiveSpan span;
-    const int64_t pairs = d.b * d.k, kv = d.h * d.s;
+    const int64_t kv = d.h * d.s;
     for (int64_t row = next.fetch_add(1); row < d.b; row = next.fetch_add(1)) {
       span.scan(mask + row * d.s, d.s);
-      for (int64_t p = row * d.k; p < (row + 1) * d.k; ++p) {
-        const int64_t ahead = std::min(p + 1, pairs - 1);
-        attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, k + ahead * kv,
-                    v + ahead * kv, span, out + p * d.g * d.h, scratch);
-      }
+      for (int64_t p = row * d.k; p < (row + 1) * d.k; ++p)
+        attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, span, out + p * d.g * d.h,
+                    scratch);
       finished.fetch_add(1, std::memory_order_release);
     }
   }
