@@ -18,35 +18,49 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+// One vector register's worth of floats: 16 lanes with AVX-512, 8 with AVX (the build's
+// -march=native decides). Wider generic vectors than the registers (16 lanes on an AVX2 machine)
+// compile to spills and lane-by-lane inserts: the kernel ran 2-3x slower that way
+// (benchmarks/cpu_attention.py). Each lane's sums run in the same order at any width, and
+// softmax_live sums its normaliser by 16 lanes, so the results do not depend on the width.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+constexpr int kBlock = 4 * kLanes;  // four registers: the columns one pass accumulates
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+inline fvec load(const float* p) {
+  fvec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// exp(x) for x <= 0 (scores less their maximum), 16 at a time: Cody-Waite range reduction and
-// the Cephes polynomial (relative error about 2e-7); below -87, exp(-87); NaN stays NaN.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 zero = {};
+// exp(x) for x <= 0 (scores less their maximum), a register at a time: Cody-Waite range
+// reduction and the Cephes polynomial (relative error about 2e-7); below -87, exp(-87); NaN
+// stays NaN.
+inline fvec exp_nonpositive(fvec x) {
+  const fvec zero = {};
   x = x < -87.0f ? zero - 87.0f : x;
-  const f32x16 magic = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  f32x16 r = x - n * 0.693359375f;
+  const fvec magic = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const fvec n = (x * 1.44269504088896341f + magic) - magic;
+  fvec r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  f32x16 p = zero + 1.9875691500e-4f;
+  fvec p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
@@ -55,57 +69,64 @@ struct Shapes {
   int64_t b, k, g, h, s;
 };
 
-// out0[0:64] = sum_m w0[m] rows[m * stride : m * stride + 64] for m < count, and out1 with w1:
-// eight registers of sums (eight independent chains of products), each 64-float row read once
-// for both; the same rows of ``ahead`` are fetched into the L2 cache meanwhile (the next pair's:
-// read from memory only when needed, the keys and values keep the core waiting;
-// benchmarks/cpu_attention.py times a layer's call).
-void two_weighted_sums_64(const float* rows, const float* ahead, int64_t stride, int64_t count,
-                          const float* w0, const float* w1, float* out0, float* out1) {
-  f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-  for (int64_t m = 0; m < count; ++m, rows += stride, ahead += stride) {
-    for (int c = 0; c < 64; c += 16) __builtin_prefetch(ahead + c, 0, 1);
-    const f32x16 r0 = load16(rows), r1 = load16(rows + 16), r2 = load16(rows + 32),
-                 r3 = load16(rows + 48);
-    a0 += w0[m] * r0;
-    a1 += w0[m] * r1;
-    a2 += w0[m] * r2;
-    a3 += w0[m] * r3;
-    b0 += w1[m] * r0;
-    b1 += w1[m] * r1;
-    b2 += w1[m] * r2;
-    b3 += w1[m] * r3;
+// out0[0:kBlock] = sum_m w0[m] rows[m * stride : m * stride + kBlock] for m < count, and out1
+// with w1: four registers of sums per output (eight independent chains of products), each row's
+// kBlock floats read once for both. (Fetching the next (row, key head) pair's rows meanwhile, as
+// the 16-lane kernel did, made it no faster once the loop stopped spilling.)
+void two_weighted_sums(const float* rows, int64_t stride, int64_t count, const float* w0,
+                       const float* w1, float* out0, float* out1) {
+  fvec a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  for (int64_t m = 0; m < count; ++m, rows += stride) {
+    const fvec r0 = load(rows), r1 = load(rows + kLanes), r2 = load(rows + 2 * kLanes),
+               r3 = load(rows + 3 * kLanes);
+    const float x = w0[m], y = w1[m];
+    a0 += x * r0;
+    a1 += x * r1;
+    a2 += x * r2;
+    a3 += x * r3;
+    b0 += y * r0;
+    b1 += y * r1;
+    b2 += y * r2;
+    b3 += y * r3;
   }
-  store16(out0, a0);
-  store16(out0 + 16, a1);
-  store16(out0 + 32, a2);
-  store16(out0 + 48, a3);
-  store16(out1, b0);
-  store16(out1 + 16, b1);
-  store16(out1 + 32, b2);
-  store16(out1 + 48, b3);
+  store(out0, a0);
+  store(out0 + kLanes, a1);
+  store(out0 + 2 * kLanes, a2);
+  store(out0 + 3 * kLanes, a3);
+  store(out1, b0);
+  store(out1 + kLanes, b1);
+  store(out1 + 2 * kLanes, b2);
+  store(out1 + 3 * kLanes, b3);
+}
+
+// two_weighted_sums over one register's columns.
+void two_weighted_sums_1(const float* rows, int64_t stride, int64_t count, const float* w0,
+                         const float* w1, float* out0, float* out1) {
+  fvec a = {}, b = {};
+  for (int64_t m = 0; m < count; ++m, rows += stride) {
+    const fvec r = load(rows);
+    a += w0[m] * r;
+    b += w1[m] * r;
+  }
+  store(out0, a);
+  store(out1, b);
 }
 
 // scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n:
-// 64 slots at a time over all H rows of keys (``ahead``: the next pair's keys), then 16, then
-// one by one.
+// kBlock slots at a time over all H rows of keys, then one
+// register's worth; the last partial register is recomputed over the last kLanes slots (the same
+// sums, so the same values), so only rows of fewer than kLanes live slots go slot by slot.
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
-                const float* ahead, int64_t lo, int64_t n, float* out0, float* out1) {
+                int64_t lo, int64_t n, float* out0, float* out1) {
   int64_t t = 0;
-  for (; t + 64 <= n; t += 64)
-    two_weighted_sums_64(keys + lo + t, ahead + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
-  for (; t + 16 <= n; t += 16) {
-    f32x16 a = {}, b = {};
-    const float* column = keys + lo + t;
-    const float* fetch = ahead + lo + t;
-    for (int64_t i = 0; i < d.h; ++i, column += d.s, fetch += d.s) {
-      __builtin_prefetch(fetch, 0, 1);
-      const f32x16 k = load16(column);
-      a += q0[i] * k;
-      b += q1[i] * k;
-    }
-    store16(out0 + t, a);
-    store16(out1 + t, b);
+  for (; t + kBlock <= n; t += kBlock)
+    two_weighted_sums(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
+  for (; t + kLanes <= n; t += kLanes)
+    two_weighted_sums_1(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
+  if (t < n && n >= kLanes) {
+    t = n - kLanes;
+    two_weighted_sums_1(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
+    t = n;
   }
   for (; t < n; ++t) {
     float a = 0.0f, b = 0.0f;
@@ -118,40 +139,42 @@ void scores_two(const Shapes& d, const float* q0, const float* q1, const float* 
   }
 }
 
-// The largest of 16 lanes, and their sum.
-inline float lanes_max(f32x16 v) {
+// The largest of a register's lanes.
+inline float lanes_max(fvec v) {
   float m = v[0];
-  for (int l = 1; l < 16; ++l) m = std::max(m, v[l]);
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
   return m;
 }
 
-inline float lanes_sum(f32x16 v) {
-  float s = 0.0f;
-  for (int l = 0; l < 16; ++l) s += v[l];
-  return s;
-}
-
 // p[t] <- softmax over the live t of p[t] * scale, 0 where not live; p and live padded to a
-// multiple of 16 (padding not live).
+// multiple of 16 (padding not live). The normaliser sums 16 lanes (one per slot modulo 16), then
+// the lanes in order, whatever the register width, so it does not depend on the build's CPU.
 void softmax_live(float* p, const float* live, int64_t padded, float scale) {
   constexpr float kNone = -3.0e38f;  // below any score: a slot that is not live
-  f32x16 m = kNone - f32x16{};
-  for (int64_t t = 0; t < padded; t += 16) {
-    const f32x16 x = load16(p + t) * scale;
-    const f32x16 x_live = load16(live + t) > 0.0f ? x : kNone - f32x16{};
-    store16(p + t, x_live);
+  constexpr int kRegs = 16 / kLanes;  // registers per 16 slots
+  const fvec none = kNone - fvec{};
+  fvec m = none;
+  for (int64_t t = 0; t < padded; t += kLanes) {
+    const fvec x = load(p + t) * scale;
+    const fvec x_live = load(live + t) > 0.0f ? x : none;
+    store(p + t, x_live);
     m = m > x_live ? m : x_live;
   }
   const float top = lanes_max(m);
-  f32x16 total = {};
+  fvec total[kRegs] = {};
   for (int64_t t = 0; t < padded; t += 16) {
-    f32x16 e = exp_nonpositive(load16(p + t) - top);
-    e = load16(live + t) > 0.0f ? e : f32x16{};
-    store16(p + t, e);
-    total += e;
+    for (int r = 0; r < kRegs; ++r) {
+      fvec e = exp_nonpositive(load(p + t + r * kLanes) - top);
+      e = load(live + t + r * kLanes) > 0.0f ? e : fvec{};
+      store(p + t + r * kLanes, e);
+      total[r] += e;
+    }
   }
-  const float inv = 1.0f / lanes_sum(total);
-  for (int64_t t = 0; t < padded; t += 16) store16(p + t, load16(p + t) * inv);
+  float sum = 0.0f;
+  for (int r = 0; r < kRegs; ++r)
+    for (int l = 0; l < kLanes; ++l) sum += total[r][l];
+  const float inv = 1.0f / sum;
+  for (int64_t t = 0; t < padded; t += kLanes) store(p + t, load(p + t) * inv);
 }
 
 // A row's live slots: the span [lo, lo + n) from its first live slot to its last (n = 0: none),
@@ -173,11 +196,9 @@ struct LiveSpan {
 };
 
 // Attention of the g queries of one (row, key head) pair: q [g, h], keys [h, s], values [s, h],
-// over its row's live span; out [g, h]. next_keys, next_values: the pair after it, fetched
-// meanwhile. scratch: the scores of every query.
+// over its row's live span; out [g, h]. scratch: the scores of every query.
 void attend_pair(const Shapes& d, const float* q, const float* keys, const float* values,
-                 const float* next_keys, const float* next_values, const LiveSpan& span,
-                 float* out, std::vector<float>& scratch) {
+                 const LiveSpan& span, float* out, std::vector<float>& scratch) {
   std::fill(out, out + d.g * d.h, 0.0f);
   if (span.n == 0) {  // no live slot (never in decoding): every slot alike, as attend gives
     for (int64_t t = 0; t < d.s; ++t)
@@ -191,7 +212,7 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
     const int64_t j1 = std::min(j + 1, d.g - 1);
     const float *q0 = q + j * d.h, *q1 = q + j1 * d.h;
     float *s0 = scratch.data() + j * padded, *s1 = scratch.data() + j1 * padded;
-    scores_two(d, q0, q1, keys, next_keys, lo, n, s0, s1);
+    scores_two(d, q0, q1, keys, lo, n, s0, s1);
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.h));
   for (int64_t j = 0; j < d.g; ++j)
@@ -200,15 +221,17 @@ void attend_pair(const Shapes& d, const float* q, const float* keys, const float
     const int64_t j1 = std::min(j + 1, d.g - 1);
     const float *p0 = scratch.data() + j * padded, *p1 = scratch.data() + j1 * padded;
     float *o0 = out + j * d.h, *o1 = out + j1 * d.h;
+    const float* rows = values + lo * d.h;  // out[j, i] = sum_t p[j, t] values[lo + t, i]
     int64_t i = 0;
-    for (; i + 64 <= d.h; i += 64)  // out[j, i:i+64] = sum_t p[j, t] values[lo + t, i:i+64]
-      two_weighted_sums_64(values + lo * d.h + i, next_values + lo * d.h + i, d.h, n, p0, p1,
-                           o0 + i, o1 + i);
+    for (; i + kBlock <= d.h; i += kBlock)
+      two_weighted_sums(rows + i, d.h, n, p0, p1, o0 + i, o1 + i);
+    for (; i + kLanes <= d.h; i += kLanes)
+      two_weighted_sums_1(rows + i, d.h, n, p0, p1, o0 + i, o1 + i);
     for (; i < d.h; ++i) {
       float a = 0.0f, b = 0.0f;
       for (int64_t t = 0; t < n; ++t) {
-        a += p0[t] * values[(lo + t) * d.h + i];
-        b += p1[t] * values[(lo + t) * d.h + i];
+        a += p0[t] * rows[t * d.h + i];
+        b += p1[t] * rows[t * d.h + i];
       }
       o0[i] = a;
       o1[i] = b;
@@ -230,14 +253,12 @@ struct Work {
   void run() {
     thread_local std::vector<float> scratch;
     thread_local LiveSpan span;
-    const int64_t pairs = d.b * d.k, kv = d.h * d.s;
+    const int64_t kv = d.h * d.s;
     for (int64_t row = next.fetch_add(1); row < d.b; row = next.fetch_add(1)) {
       span.scan(mask + row * d.s, d.s);
-      for (int64_t p = row * d.k; p < (row + 1) * d.k; ++p) {
-        const int64_t ahead = std::min(p + 1, pairs - 1);
-        attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, k + ahead * kv,
-                    v + ahead * kv, span, out + p * d.g * d.h, scratch);
-      }
+      for (int64_t p = row * d.k; p < (row + 1) * d.k; ++p)
+        attend_pair(d, q + p * d.g * d.h, k + p * kv, v + p * kv, span, out + p * d.g * d.h,
+                    scratch);
       finished.fetch_add(1, std::memory_order_release);
     }
   }

@@ -20,6 +20,14 @@ attention takes 3.3 ms of 26.1 where ``attend`` takes 7.1 of 29.9 (``python
 benchmarks/decode_layout.py``: 64 steps after 48 prompt slots; ``python
 benchmarks/cpu_attention.py`` times one layer's call).
 
+Its vectors are one register wide on the CPU it is built for (8 float lanes with AVX2, 16 with
+AVX-512). Written with 16-lane vectors throughout, it spilled them on an AVX2 machine (the AMD
+EPYC of 2026-11-26): the large model's layer took 2.0 ms against XLA's 1.5, and 0.7-1.1 ms with
+register-wide vectors (``python benchmarks/cpu_attention.py``, a loaded machine; the peers'
+small model's decode step at 64 rows: ``python benchmarks/cpu_decode_step.py``). Each lane's
+sums run in the same order at any width, and the softmax normaliser is summed by 16 lanes at
+any width, so its results do not depend on the register width.
+
 The kernel is C++ built on first use with the machine's compiler (``c++ -O3 -march=native``)
 into ``$XDG_CACHE_HOME/rft_jax`` (``~/.cache/rft_jax``), keyed by its source, jax's version and
 the CPU, then registered with XLA. Where that fails (no compiler, or it fails) :func:`available`
