@@ -114,7 +114,19 @@ def test_a_write_that_fails_ends_the_run_with_the_file_and_the_cause(setup, tmp_
   assert "RESOURCE_EXHAUSTED" in (tmp_path / "ckpt" / "debug.log").read_text()  # the details: in the debug log
 
 
-FULL_DISK_DRIVER = textwrap.dedent("""
+# The drivers' shared part: write ``path`` until its file system is full, to the last byte.
+FILL_DISK = textwrap.dedent("""
+    def fill_disk(path):
+      with open(path, "wb", buffering=0) as f:
+        for size in (1 << 16, 1 << 12, 1):
+          try:
+            while True:
+              f.write(b"x" * size)
+          except OSError:
+            pass
+""")
+
+FULL_DISK_DRIVER = FILL_DISK + textwrap.dedent("""
     import json, os, subprocess, sys, time
     mount, cmd = sys.argv[1], sys.argv[2:]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", mount], check=True)
@@ -124,13 +136,7 @@ FULL_DISK_DRIVER = textwrap.dedent("""
       if proc.poll() is not None:
         break
       time.sleep(0.2)
-    with open(os.path.join(mount, "filler"), "wb", buffering=0) as f:  # fill the disk
-      for size in (1 << 16, 1 << 12, 1):
-        try:
-          while True:
-            f.write(b"x" * size)
-        except OSError:
-          pass
+    fill_disk(os.path.join(mount, "filler"))
     filled = time.time()
     try:
       err = proc.communicate(timeout=180)[1]
@@ -161,7 +167,7 @@ def test_a_real_full_disk_ends_the_run_promptly(setup, tmp_path):
   assert "No space left on device" in result["stderr"] and str(mount / "run") in result["stderr"], result
 
 
-CHECKPOINT_DISK_DRIVER = textwrap.dedent("""
+CHECKPOINT_DISK_DRIVER = FILL_DISK + textwrap.dedent("""
     import json, os, shutil, signal, subprocess, sys, time
     mount, copy, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", mount], check=True)
@@ -170,13 +176,7 @@ CHECKPOINT_DISK_DRIVER = textwrap.dedent("""
     while not os.path.isdir(committed) and proc.poll() is None:
       time.sleep(0.02)
     proc.send_signal(signal.SIGSTOP)  # fill the disk while the trainer is between checkpoints
-    with open(os.path.join(mount, "filler"), "wb", buffering=0) as f:
-      for size in (1 << 16, 1 << 12, 1):
-        try:
-          while True:
-            f.write(b"x" * size)
-        except OSError:
-          pass
+    fill_disk(os.path.join(mount, "filler"))
     os.truncate(os.path.join(mount, "filler"), os.path.getsize(os.path.join(mount, "filler")) - (64 << 10))
     proc.send_signal(signal.SIGCONT)  # 64 KiB free: room for metrics, not for a checkpoint
     try:

@@ -14,16 +14,10 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
-from rft_jax.sampling import SamplingParams, generate
+from rft_jax.sampling import generate
 from rft_jax.sampling.continuous import PoolSpec, sample_pool_cpu
 from rft_jax.sampling.loop import layer_indices
-
-RNG = np.random.default_rng(7)
-PROMPTS = [RNG.integers(3, 128, RNG.integers(1, 30)).tolist() for _ in range(6)]  # bucket 32
-STOPS = tuple(range(3, 10))
-STATIC = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, stop_token_ids=STOPS,
-                        scheduler="static", min_segment_tokens=16)
-
+from test_sampling_continuous import PROMPTS, STATIC, _assert_same_samples  # the same case
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -32,13 +26,6 @@ def model(tmp_path_factory):
 
 def _paged(params, **kw):
   return dataclasses.replace(params, scheduler="continuous", **kw)
-
-
-def _assert_same_samples(a, b, atol=1e-5):
-  np.testing.assert_array_equal(a.completion_lengths, b.completion_lengths)
-  np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
-  np.testing.assert_array_equal(a.finish_reason, b.finish_reason)
-  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol)
 
 
 @pytest.mark.parametrize("temperature,budgets", [

@@ -83,13 +83,11 @@ class PoolSpec(DecodeSpec):
     kv_pages: the paged cache's pages (:mod:`rft_jax.sampling.paged_pool`); None: a cache row
       of ``P + M`` slots per decode slot.
     page_size: tokens per page.
-    paged_attention: :func:`rft_jax.models.paged_kv.paged_attention`'s kind.
   """
 
   slots: tuple[int, ...] = ()
   kv_pages: int | None = None
   page_size: int = 16
-  paged_attention: str = "auto"
 
   @classmethod
   def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
@@ -200,7 +198,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype)
     pool_axes = pool_cache.logical_axes()
     pool_cache = constrain(pool_cache, pool_axes, mesh, rules)
-  paged_kind = resolve_kind(spec.paged_attention, platform)
+  paged_kind = resolve_kind("auto", platform)
   pool = PoolState(
       admitted=jnp.zeros((), jnp.int32),
       sample=jnp.full((size,), r, jnp.int32),
