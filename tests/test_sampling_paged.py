@@ -57,8 +57,9 @@ def test_paged_on_the_mesh_equals_one_device(tmp_path):
 
 
 def test_too_few_pages_and_the_static_scheduler_are_refused(model):
-  with pytest.raises(ValueError, match="kv_pages=70 pages of 4 tokens cannot hold 8 prompts "
-                     r"of 32 slots \(64 pages\) and one whole sample \(18 pages\); give at least 82"):
+  with pytest.raises(ValueError, match=r"kv_pages=70 pages of 4 tokens \(per data shard\) cannot "
+                     r"hold the shard's 8 prompts of 32 slots \(64 pages\) and one whole sample "
+                     r"\(18 pages\); give at least 82"):
     generate(model, PROMPTS, _paged(STATIC, kv_pages=70, page_size=4), seed=3)
   with pytest.raises(ValueError, match="kv_pages .* needs scheduler='continuous'"):
     dataclasses.replace(STATIC, kv_pages=100)

@@ -49,9 +49,9 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rft_jax.models import feature_major
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.models.paged_kv import pages_for, resolve_kind
+from rft_jax.models.paged_kv import resolve_kind
 from rft_jax.parallel import Rules
-from rft_jax.sampling import paged_pool
+from rft_jax.sampling import paged_shards
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling import loop
 from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, DecodeSpec, cache_slots, constrain,
@@ -80,8 +80,9 @@ class PoolSpec(DecodeSpec):
 
   Attributes:
     slots: :func:`pool_sizes`, the pool's size at each stage.
-    kv_pages: the paged cache's pages (:mod:`rft_jax.sampling.paged_pool`); None: a cache row
-      of ``P + M`` slots per decode slot.
+    kv_pages: the paged cache's pages per data shard (:mod:`rft_jax.sampling.paged_shards`:
+      each shard of the mesh's ``data`` axis runs its own pool); None: a cache row of ``P + M``
+      slots per decode slot.
     page_size: tokens per page.
   """
 
@@ -226,8 +227,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                      last_tokens=jnp.where(take, first[jnp.minimum(sample, r - 1)], s.last_tokens),
                      running=s.running | take, cache=cache)
 
-  def decode(s: PoolState) -> PoolState:
-    u = s.slot_uniforms(uniforms)
+  def decode(s: PoolState, sample_uniforms: Float[Array, "R M"] = uniforms) -> PoolState:
+    u = s.slot_uniforms(sample_uniforms)
     if spec.kv_pages is not None:
       logits, cache = model.paged_decode_step(s.last_tokens, s.cache, s.running,
                                               layers=layers if on_cpu else step_layers,
@@ -245,8 +246,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     return s.replace(cache=cache).record(tokens, logp, spec.is_stop(tokens))
 
   if spec.kv_pages is not None:
-    return _run_paged(pool, decode, prompt_cache, prompt_lengths, queue, queued, first, model,
-                      spec)
+    return paged_shards.run_paged(pool, decode, uniforms, prompt_cache, prompt_lengths, waiting,
+                                  first, model.config, spec, mesh, rules)
   for stage, size in enumerate(spec.slots):
     if stage:
       pool = _compact(pool, size)
@@ -257,30 +258,6 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
       return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
     pool = jax.lax.while_loop(busy, lambda s: decode(admit(s)), pool)
   return pool.replace(cache=None)
-
-
-def _run_paged(pool: PoolState, decode, prompt_cache: KVCache, prompt_lengths: Int[Array, "B"],
-               queue: Int[Array, "R"], queued: Int[Array, ""], first: Int[Array, "R"], model,
-               spec: PoolSpec) -> PoolState:
-  """The decode loop of :func:`_sample_pool` on a paged cache (:mod:`.paged_pool`), the same
-  stages as the dense pool's."""
-  prompt_width = pages_for(prompt_cache.max_len, spec.page_size)
-  state = paged_pool.initial_paged_state(
-      pool, prompt_cache, prompt_lengths, queue, model.config, spec.kv_pages, spec.page_size,
-      spec.max_new_tokens, spec.cache_dtype)
-
-  def step(s):
-    return paged_pool.paged_step(s, decode, first, spec.n, prompt_lengths, prompt_width, queued)
-
-  for stage, size in enumerate(spec.slots):
-    if stage:
-      state = paged_pool.compact_paged(state, jnp.argsort(~state.running, stable=True)[:size])
-    smaller = spec.slots[stage + 1] if stage + 1 < len(spec.slots) else 0
-
-    def busy(s, smaller=smaller):
-      return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
-    state = jax.lax.while_loop(busy, step, state)
-  return state.replace(cache=None)
 
 
 _STATIC = ("graphdef", "spec", "mesh", "rules")

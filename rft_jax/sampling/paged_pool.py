@@ -29,9 +29,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import PagedKVCache, init_paged_cache, pages_for, prompt_pages
 from rft_jax.sampling.pool_state import PoolState
 
@@ -154,21 +153,26 @@ def _allocate(s: PagedPoolState) -> PagedPoolState:
   return s.replace(cache=cache.replace(pages=pages))
 
 
-def initial_paged_state(pool: PoolState, prompt_cache: KVCache, prompt_lengths: Int[Array, "B"],
-                        queue: Int[Array, "R"], config, num_pages: int, page_size: int,
-                        max_new_tokens: int, dtype) -> PagedPoolState:
+def initial_paged_state(pool: PoolState, prompt_k: tuple[Float[Array, "B K H P"], ...],
+                        prompt_v: tuple[Float[Array, "B K P H"], ...],
+                        prompt_lengths: Int[Array, "B"], queue: Int[Array, "R"], *, config,
+                        num_pages: int, page_size: int, max_new_tokens: int, dtype
+                        ) -> PagedPoolState:
   """The paged pool's first state: the prompts' pages written, every other page free.
 
-  ``pool``: the dense pool's first state without a cache (slots, samples, first tokens)."""
-  b, _, _, p = prompt_cache.k[0].shape
+  ``pool``: the dense pool's first state without a cache (slots, samples, first tokens);
+  ``prompt_k`` / ``prompt_v``: the prompts' prefilled cache layers (the ``k`` and ``v`` of a
+  :class:`~rft_jax.models.kv_cache.KVCache`). On a data mesh this is one data shard's pool
+  (:mod:`.paged_shards`): its prompts, its samples and its ``num_pages`` pages."""
+  b, _, _, p = prompt_k[0].shape
   prompt_width = pages_for(p, page_size)
   width = pages_for(p + max_new_tokens, page_size)
   slots = pool.sample.shape[0]
   if num_pages < b * prompt_width + width:
     raise ValueError(
-        f"kv_pages={num_pages} pages of {page_size} tokens cannot hold {b} prompts of {p} "
-        f"slots ({b * prompt_width} pages) and one whole sample ({width} pages); give at "
-        f"least {b * prompt_width + width}")
+        f"kv_pages={num_pages} pages of {page_size} tokens (per data shard) cannot hold the "
+        f"shard's {b} prompts of {p} slots ({b * prompt_width} pages) and one whole sample "
+        f"({width} pages); give at least {b * prompt_width + width}")
   cache = init_paged_cache(config, num_pages, page_size, slots, width, dtype)
   used = b * prompt_width
 
@@ -176,9 +180,9 @@ def initial_paged_state(pool: PoolState, prompt_cache: KVCache, prompt_lengths: 
     return pages.at[:, :used].set(prompt_pages(prompt_layer, prompt_lengths, page_size)
                                   .astype(pages.dtype))
   cache = cache.replace(
-      k=tuple(write(pages, layer.transpose(0, 1, 3, 2)) for pages, layer
-              in zip(cache.k, prompt_cache.k)),
-      v=tuple(write(pages, layer) for pages, layer in zip(cache.v, prompt_cache.v)))
+      k=tuple(write(pages, layer.transpose(0, 1, 3, 2))
+              for pages, layer in zip(cache.k, prompt_k)),
+      v=tuple(write(pages, layer) for pages, layer in zip(cache.v, prompt_v)))
   free = jnp.arange(num_pages, dtype=jnp.int32)[::-1]  # popped from the top: low ids first
   fields = {f: getattr(pool, f) for f in PoolState.__dataclass_fields__}
   fields["cache"] = cache
