@@ -4,6 +4,9 @@ GPU kernel (run in Pallas' interpret mode here)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,6 +54,20 @@ def test_tokens_past_the_length_do_not_count(kind):
                         for t in row[pages_for(int(n), P):]])  # (a freed page's old tokens)
   k2, v2 = k.at[:, unused].set(1e4), v.at[:, unused].set(-1e4)
   np.testing.assert_array_equal(paged_attention(q, k2, v2, tables, lengths, kind=kind), before)
+
+
+@pytest.mark.parametrize("kind", ["xla", "pallas_gpu_interpret"])
+def test_paged_attention_under_vmap_reads_each_shards_own_pages(kind):
+  """Per-data-shard pools (``rft_jax.sampling.paged_shards``) vmap the decode step over a
+  leading shard axis: each shard's block tables index its own pages."""
+  shards = [_pages_and_tables() for _ in range(2)]
+  k, v, tables = (jnp.stack(x) for x in zip(*shards))  # [2, K, N, P, H], [2, S, W]
+  lengths = jnp.asarray([[1, 5, 16, 9, 4], [7, 2, 11, 16, 3]], jnp.int32)
+  q = jnp.asarray(RNG.normal(size=(2, 5, K * G, H)), jnp.float32)
+  out = jax.vmap(functools.partial(paged_attention, kind=kind))(q, k, v, tables, lengths)
+  for d in range(2):
+    np.testing.assert_allclose(out[d], _dense_reference(q[d], k[d], v[d], tables[d], lengths[d]),
+                               atol=2e-6)
 
 
 def test_prompt_pages_shift_left_padded_rows_to_their_pages():

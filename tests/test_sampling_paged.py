@@ -6,6 +6,7 @@ pages, not the slots."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
-from rft_jax.sampling import generate
+from rft_jax.sampling import continuous, generate
 from rft_jax.sampling.continuous import PoolSpec, sample_pool_cpu
+from rft_jax.sampling.generate import sampler_rules
 from rft_jax.sampling.loop import layer_indices
 from test_sampling_continuous import PROMPTS, STATIC, _assert_same_samples  # the same case
 
@@ -49,11 +51,48 @@ def test_paged_equals_static_whatever_the_pages(model, temperature, budgets):
 
 
 def test_paged_on_the_mesh_equals_one_device(tmp_path):
+  """One pool per data shard: each shard's 2 prompts (8 buckets over data=4) take 16 pages of
+  4 and a sample up to 18: 34 pages per shard, the least, evict (one global pool of 34 could not
+  even hold the 8 prompts); every device holds its shard's pages of its kv head, not every
+  page."""
   ckpt = make_tiny_qwen(tmp_path, "qwen2", tie=False, kv_heads=2)
   mesh = make_mesh(data=4, model=2)
-  params = _paged(STATIC, decode_slots=8, kv_pages=120, page_size=4)
-  sharded = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
+  pages, page_size = 34, 4
+  params = _paged(STATIC, decode_slots=8, kv_pages=pages, page_size=page_size)
+  model = load_hf(ckpt, mesh=mesh)
+  sharded = generate(model, PROMPTS, params, seed=3, mesh=mesh)
   _assert_same_samples(sharded, generate(load_hf(ckpt), PROMPTS, STATIC, seed=3))
+  assert sharded.evictions > 0
+
+  graphdef, state = nnx.split(model)
+  b, p = 8, 32
+  args = (np.zeros((b, p), np.int32), np.ones((b, p), np.int32), np.zeros((b, 3), np.uint32),
+          np.ones(b, bool), np.uint32(0), np.float32(1), np.int32(0), np.float32(1),
+          layer_indices(model.config.num_hidden_layers))
+  spec = PoolSpec.of(params, b * params.n, data=4)
+  hlo = sample_pool_cpu.lower(graphdef, state, *args, spec=spec, mesh=mesh,
+                              rules=sampler_rules()).compile().as_text()
+  c = model.config
+  # Per device, a layer's pages [shards, K, N, P, H] are [1, K / 2, N, P, H]: one shard's.
+  held = set(re.findall(rf"f32\[([\d,]+),{pages},{page_size},{c.head_dim}\]", hlo))
+  assert held == {f"1,{c.num_key_value_heads // 2}"}, held
+
+
+def test_pallas_gpu_kernel_in_the_shards_pools(tmp_path, monkeypatch):
+  """jax's Pallas GPU paged attention (interpret mode on CPU) vmapped over two data shards'
+  pools, evicting: the static program's samples."""
+  ckpt = make_tiny_qwen(tmp_path, "qwen2", tie=False, kv_heads=2)
+  reference = generate(load_hf(ckpt), PROMPTS, STATIC, seed=3)
+  monkeypatch.setattr(continuous, "resolve_kind", lambda kind, platform: "pallas_gpu_interpret")
+  mesh = make_mesh(data=2, model=1)
+  params = _paged(STATIC, decode_slots=8, kv_pages=54, page_size=4)  # 4 prompts: 32 + 18 + 4
+  sample_pool_cpu.clear_cache()  # the kind is not part of the compiled program's key
+  try:
+    out = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
+  finally:
+    sample_pool_cpu.clear_cache()
+  _assert_same_samples(out, reference)
+  assert out.evictions > 0
 
 
 def test_too_few_pages_and_the_static_scheduler_are_refused(model):

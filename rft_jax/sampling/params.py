@@ -70,10 +70,15 @@ class SamplingParams:
       (down to 8), 34k with a pool of 64 and 4 stages (a simulation of the schedule). Calls of
       fewer than ``2 * min_segment_tokens`` new tokens do not shrink.
     kv_pages: continuous batching on a paged KV cache (:mod:`rft_jax.sampling.paged_pool`):
-      the pages of ``page_size`` tokens one call's pool holds (per data shard), prompts
-      included, so its memory follows the live tokens instead of ``decode_slots x (prompt +
-      max_new_tokens)``; samples wait (or are evicted and decoded again) when the pages run
-      out. None: a full-width cache row per slot. ``rft-jax plan`` sizes it from memory.
+      the pages of ``page_size`` tokens of one call **per data shard**. Each shard of the mesh's
+      ``data`` axis (a data-parallel group of devices; the whole call without a mesh) runs its
+      own pool (:mod:`rft_jax.sampling.paged_shards`) on its ``1/D`` of the call's prompts,
+      their samples and ``decode_slots / D`` slots, in ``kv_pages`` pages of its own (each
+      page's kv heads split over ``model``), prompts included; so the memory follows the live
+      tokens instead of ``decode_slots x (prompt + max_new_tokens)``, and a call holds
+      ``D x kv_pages`` pages in all. Samples wait (or are evicted and decoded again) when their
+      shard's pages run out. None: a full-width cache row per slot. ``rft-jax plan`` sizes it
+      from memory.
     page_size: tokens per page of the paged cache (a multiple of 8 suits the Pallas kernels).
   """
 

@@ -116,9 +116,11 @@ class SamplingConfig:
   completions (``SamplingParams.scheduler``, ``decode_slots``).
 
   ``kv_pages``: continuous batching on a paged KV cache of that many pages of ``page_size``
-  tokens per call and data shard, prompts included (memory that follows the live tokens;
-  samples wait, or are evicted and decoded again, when pages run out; ``rft-jax plan`` prints
-  the pages that fit). None: a full-width cache row per decode slot. Same completions.
+  tokens per call and per data shard: each data-parallel group of devices runs its own pool
+  of ``kv_pages`` pages (their kv heads split over ``model``) for its share of the call's
+  prompts, prompts included (memory that follows the live tokens; samples wait, or are
+  evicted and decoded again, when their shard's pages run out; ``rft-jax plan`` prints the
+  pages that fit). None: a full-width cache row per decode slot. Same completions.
   """
 
   n: int = 16
