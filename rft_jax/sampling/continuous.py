@@ -32,9 +32,11 @@ two cores, about the cost of a round trip through Python and dispatch), and admi
 the loop copies only the admitted rows' prompt slots.
 
 The cache is sized by the pool, not by the rows: ``S x (P + M)`` slots instead of the static
-program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. Pages (a block table per
-slot, so that memory follows the live tokens) are the next step on accelerators; on one CPU
-device the attention kernel already reads only each row's live slots.
+program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. With
+``SamplingParams.kv_pages`` the cache is paged instead (a block table per slot, so that memory
+follows the live tokens; :mod:`rft_jax.sampling.paged_pool`), one pool per data shard
+(:mod:`rft_jax.sampling.paged_shards`); on one CPU device the dense pool's attention kernel
+already reads only each row's live slots.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ hold many more slots than full-width rows would fit:
   without a new prefill: its prompt's pages stay). The oldest running sample is never evicted
   for another, and the pool holds at least one full sample's pages, so every call ends.
 
+This module is one pool: on a data mesh each data shard runs one on its own prompts, samples,
+slots and pages (:mod:`rft_jax.sampling.paged_shards` vmaps these functions over the shards).
 The samples are those of the dense pool and of the static program (log-probabilities to float32
 rounding); ``tests/test_sampling_paged.py`` checks it, with page budgets small enough to evict.
 """
