@@ -53,12 +53,12 @@ def test_paged_equals_static_whatever_the_pages(model, temperature, budgets):
 def test_paged_on_the_mesh_equals_one_device(tmp_path):
   """One pool per data shard: each shard's 2 prompts (8 buckets over data=4) take 16 pages of
   4 and a sample up to 18: 34 pages per shard, the least, evict (one global pool of 34 could not
-  even hold the 8 prompts); every device holds its shard's pages of its kv head, not every
-  page."""
+  even hold the 8 prompts); 16 slots, then 8: 4, then 2 per shard; every device holds its
+  shard's pages of its kv head, not every page."""
   ckpt = make_tiny_qwen(tmp_path, "qwen2", tie=False, kv_heads=2)
   mesh = make_mesh(data=4, model=2)
   pages, page_size = 34, 4
-  params = _paged(STATIC, decode_slots=8, kv_pages=pages, page_size=page_size)
+  params = _paged(STATIC, decode_slots=16, kv_pages=pages, page_size=page_size)
   model = load_hf(ckpt, mesh=mesh)
   sharded = generate(model, PROMPTS, params, seed=3, mesh=mesh)
   _assert_same_samples(sharded, generate(load_hf(ckpt), PROMPTS, STATIC, seed=3))
@@ -70,6 +70,7 @@ def test_paged_on_the_mesh_equals_one_device(tmp_path):
           np.ones(b, bool), np.uint32(0), np.float32(1), np.int32(0), np.float32(1),
           layer_indices(model.config.num_hidden_layers))
   spec = PoolSpec.of(params, b * params.n, data=4)
+  assert spec.slots == (16, 8)
   hlo = sample_pool_cpu.lower(graphdef, state, *args, spec=spec, mesh=mesh,
                               rules=sampler_rules()).compile().as_text()
   c = model.config
