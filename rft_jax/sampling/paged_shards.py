@@ -111,6 +111,7 @@ def run_paged(pool: PoolState, decode, uniforms: Float[Array, "R M"], prompt_cac
   def one_step(s, first, lengths, uniforms, queued):
     return paged_pool.paged_step(s, lambda x: decode(x, uniforms), first, spec.n, lengths,
                                  prompt_width, queued)
+  # spmd_axis_name: a sharding constraint inside the step gets the shard axis on data.
   step = jax.vmap(one_step, spmd_axis_name=DATA_AXIS if shards > 1 else None)
 
   for stage, size in enumerate(spec.slots):
