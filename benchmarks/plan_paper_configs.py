@@ -2,6 +2,8 @@
 
   python benchmarks/plan_paper_configs.py                      # the six configs as shipped, v5p:2x2x1
   python benchmarks/plan_paper_configs.py --topology v6e:2x4 mesh.model=2 learner.micro_batch_size=8
+  python benchmarks/plan_paper_configs.py sampling.max_rollouts_per_call=null \
+      sampling.kv_pages=32768 --configs qwen2_5_7b_clip_b qwen3_4b_clip_b   # paged: its own table
 
 Each config is planned in its own process (`rft-jax plan --json`, model.path set to the
 architecture-only directories under configs/models/); the per-device figures are printed as the
@@ -47,6 +49,26 @@ def row(name: str, r: dict) -> str:
           f"{'yes' if r['fits'] else 'NO'} |")
 
 
+def paged_row(name: str, r: dict) -> str:
+  """A plan with ``sampling.kv_pages``: the pages per data shard and the rows they keep in flight."""
+  g = lambda b: f"{b / GiB:.1f}"
+  s = r["sampler"]
+  return (f"| {name} | {r['topology']} data={r['mesh']['data']} model={r['mesh']['model']} | "
+          f"{s['prompts_per_call']} x {s['rollouts_per_call'] // s['prompts_per_call']} | "
+          f"{s['rows_in_flight']} | {s['kv_pages']} x {s['page_size']} | {g(s['kv_cache_bytes'])} | "
+          f"{s['rows_at_full_length'] * r['mesh']['data']} | {s['tokens_per_slot']} | "
+          f"{s['max_kv_pages']} | {g(s['temp_bytes'])} | {g(s['total_bytes'])} | "
+          f"{s['compile_seconds']:.0f} | {'yes' if r['fits'] else 'NO'} |")
+
+
+PAGED_HEADER = ("| config | mesh | sampler call | rows in flight | pages per shard x tokens | KV GiB "
+                "| rows at full length | tokens per slot | pages that fit | sampler temp | "
+                "sampler total | compile s | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| config | mesh | micro-batch | params / optimizer GiB | learner temp | learner total | "
+          "compile s | sampler call | KV cache | sampler temp | sampler total | compile s | HBM | "
+          "fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--topology", default="v5p:2x2x1")
@@ -54,16 +76,16 @@ def main() -> None:
   parser.add_argument("--out", default="runs/plan_paper_configs.jsonl")
   parser.add_argument("overrides", nargs="*", help="dotted overrides for every config")
   args = parser.parse_args()
-  print("| config | mesh | micro-batch | params / optimizer GiB | learner temp | learner total | "
-        "compile s | sampler call | KV cache | sampler temp | sampler total | compile s | HBM | fits |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  paged = any(o.startswith("sampling.kv_pages=") and o != "sampling.kv_pages=null"
+              for o in args.overrides)
+  print(PAGED_HEADER if paged else HEADER)
   os.makedirs(os.path.dirname(os.path.join(ROOT, args.out)), exist_ok=True)
   with open(os.path.join(ROOT, args.out), "a") as log:
     for name in args.configs:
       model = next(m for m in CONFIGS if name.startswith(m))
       report = plan(f"configs/{name}.yaml", CONFIGS[model], args.topology, args.overrides)
       log.write(json.dumps({"config": name, **report}) + "\n")
-      print(row(name, report), flush=True)
+      print((paged_row if paged else row)(name, report), flush=True)
 
 
 if __name__ == "__main__":

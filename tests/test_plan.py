@@ -35,16 +35,20 @@ def _plan(capsys, *args) -> tuple[int, dict]:
   return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("topology,devices,kl_coef", [("cpu:8", 8, 0.1), ("v5p:2x2x1", 4, 0.0)])
-def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devices, kl_coef):
+@pytest.mark.parametrize("topology,devices,kl_coef,kv_pages", [("cpu:8", 8, 0.1, None),
+                                                                ("v5p:2x2x1", 4, 0.0, 40)])
+def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devices, kl_coef,
+                                                kv_pages):
   """One plan per topology, the cpu:8 one with a KL term: with kl_coef > 0 the step takes one
   more copy of the parameters (ref_dtype=float32: their bytes) and the sampler runs beside it;
-  without, none."""
-  config, _ = _setup(tmp_path)
+  without, none. The TPU one samples on a paged KV cache (the Pallas TPU kernel, compiled)."""
+  # The Pallas TPU paged kernel takes head_dim a multiple of 128 (the real models' 128).
+  config, _ = _setup(tmp_path, head_dim=16 if kv_pages is None else 128)
+  pages = [] if kv_pages is None else [f"sampling.kv_pages={kv_pages}", "sampling.page_size=8"]
   # The splash kernel's bfloat16 products need the default precision (conftest sets "highest").
   with jax.default_matmul_precision("default"):
     code, report = _plan(capsys, config, "--topology", topology, "mesh.model=2", f"learner.kl_coef={kl_coef}",
-                         "learner.ref_dtype=float32")
+                         "learner.ref_dtype=float32", *pages)
   assert code == 0 and report["fits"] is True
   assert report["topology"] == topology and report["devices"] == devices
   assert report["mesh"] == {"data": devices // 2, "model": 2}
@@ -68,6 +72,18 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
   reference = learner["parameter_bytes"] if kl_coef > 0 else 0
   assert learner["reference_bytes"] == reference
   assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] + reference
+  if kv_pages is None:
+    assert sampler["kv_pages"] is None
+  else:
+    # 2 layers x keys and values x 1 KV head per device (2 over model=2) x 8 tokens x 128 x 4 bytes
+    assert sampler["page_bytes"] == 2 * 2 * 1 * 8 * 128 * 4
+    assert sampler["kv_cache_bytes"] == kv_pages * sampler["page_bytes"]
+    # One prompt per data shard of 16 slots (2 pages); 38 pages hold 19 samples of 16 tokens.
+    assert sampler["prompt_pages"] == 2 and sampler["rows_at_full_length"] == 19
+    assert sampler["tokens_per_slot"] == 38 * 8 // 4  # 4 slots per shard
+    assert sampler["max_kv_pages"] > kv_pages  # a tiny model: the device has room for more
+    # The compiled program holds the pages: one data shard's per device, not the mesh's.
+    assert sampler["kv_cache_bytes"] <= sampler["temp_bytes"] + sampler["argument_bytes"]
   if topology.startswith("v5p"):
     assert report["device_kind"] == "TPU v5" and report["hbm_bytes_per_device"] > 90 * 2**30
 

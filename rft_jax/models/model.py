@@ -360,12 +360,13 @@ class Qwen(nnx.Module):
     return self.logits(hidden[:, 0]), cache
 
   def paged_decode_step(self, tokens: Int[Array, "S"], cache: PagedKVCache, writing: Bool[Array, "S"],
-                        *, layers: tuple[DecoderLayer, ...] | None = None, kind: str = "xla"
-                        ) -> tuple[Float[Array, "S V"], PagedKVCache]:
+                        *, layers: tuple[DecoderLayer, ...] | None = None, kind: str = "xla",
+                        mesh: Mesh | None = None) -> tuple[Float[Array, "S V"], PagedKVCache]:
     """:meth:`decode_step` on a :class:`~rft_jax.models.paged_kv.PagedKVCache`: each writing
     slot's token goes at its position ``cache.lengths[s]`` (RoPE position and cache slot are
     the same there) and its query reads the slot's tokens up to itself; ``kind``: the paged
-    attention (:func:`~rft_jax.models.paged_kv.paged_attention`). The lengths of the writing
+    attention (:func:`~rft_jax.models.paged_kv.paged_attention`, a Pallas kernel laid out on
+    ``mesh``). The lengths of the writing
     slots advance by one; the others change nothing."""
     lengths = cache.lengths
     rope = self.rope(lengths[:, None])
@@ -373,7 +374,8 @@ class Qwen(nnx.Module):
     for i, layer in enumerate(self.unstacked_layers() if layers is None else layers):
       def attention(q, k, v, i=i, cache=cache):
         cache = write_token(cache, i, k[:, 0], v[:, 0], writing)
-        o = paged_attention(q[:, 0], cache.k[i], cache.v[i], cache.pages, lengths + 1, kind=kind)
+        o = paged_attention(q[:, 0], cache.k[i], cache.v[i], cache.pages, lengths + 1, kind=kind,
+                            mesh=mesh)
         return o[:, None].astype(q.dtype), cache
       x, cache = layer.attend_with(x, rope, attention)
     cache = cache.replace(lengths=lengths + writing.astype(lengths.dtype))

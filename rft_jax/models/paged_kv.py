@@ -25,9 +25,13 @@ float32.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from rft_jax.models.attention import MASKED_SCORE
@@ -116,10 +120,23 @@ def write_token(cache: PagedKVCache, layer: int, k: Float[Array, "S K H"],
 
 def paged_attention(q: Float[Array, "S N H"], k_pages: Float[Array, "K N P H"],
                     v_pages: Float[Array, "K N P H"], pages: Int[Array, "S W"],
-                    lengths: Int[Array, "S"], *, kind: str = "xla") -> Float[Array, "S N H"]:
+                    lengths: Int[Array, "S"], *, kind: str = "xla", mesh: Mesh | None = None
+                    ) -> Float[Array, "S N H"]:
   """One query per slot against its first ``lengths[s]`` tokens (``kind``: see the module
   docstring; ``auto`` is not resolved here). Query head ``n`` reads key/value head ``n // G``;
-  a slot of length 0 gets a finite, unused output."""
+  a slot of length 0 gets a finite, unused output.
+
+  With ``mesh`` (axes ``('data', 'model')``) a Pallas kernel runs under :func:`jax.shard_map`
+  (the compiler cannot partition a Mosaic or Triton call): heads over ``'model'`` when ``K``
+  divides evenly, else replicated; slots and pages whole. The sampler calls this under a
+  :func:`jax.vmap` over its data shards with ``spmd_axis_name='data'``, which puts that axis on
+  ``'data'``."""
+  if mesh is not None and kind != "xla" and mesh.size > 1:
+    heads = "model" if k_pages.shape[0] % mesh.shape["model"] == 0 else None
+    local = functools.partial(paged_attention, kind=kind)
+    return jax.shard_map(local, mesh=mesh, check_vma=False,
+                         in_specs=(P(None, heads, None), P(heads), P(heads), P(), P()),
+                         out_specs=P(None, heads, None))(q, k_pages, v_pages, pages, lengths)
   s, n_heads, h = q.shape
   scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # the kernels do not scale
   if kind == "pallas_tpu":

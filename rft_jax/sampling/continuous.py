@@ -234,7 +234,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     if spec.kv_pages is not None:
       logits, cache = model.paged_decode_step(s.last_tokens, s.cache, s.running,
                                               layers=layers if on_cpu else step_layers,
-                                              kind=paged_kind)
+                                              kind=paged_kind, mesh=mesh)
       vocab_axis = 1
     elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
       logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model, read_config
+from rft_jax.models.paged_kv import pages_for
 from rft_jax.parallel import make_mesh, state_shardings, with_shardings
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
@@ -201,7 +202,9 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   """Compiles one sampler call (:func:`~rft_jax.sampling.generate.program_for` the run's
   scheduler and the mesh's devices): the prompts of one call at the longest prompt bucket. Its
   KV cache holds the rows in flight: continuous batching's pool of decode slots
-  (``sampling.decode_slots``, the call's rollouts when unset), or every rollout of the call."""
+  (``sampling.decode_slots``, the call's rollouts when unset) at full width, or, with
+  ``sampling.kv_pages``, that many pages per data shard (:func:`page_plan`); or every rollout
+  of the call at full width (the static scheduler)."""
   s = cfg.sampling
   params = sampling_params(cfg, stop_ids=(0,))
   # One call's prompts, as generate() slices a step's prompts (dummy rows included).
@@ -215,15 +218,51 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
     in_flight = spec.slots[0]
   else:
     spec, in_flight = LoopSpec.of(params), batch * s.n
-  cache = abstract_cache(config, in_flight, slots, mesh=mesh, rules=sampler_rules())
   start = time.perf_counter()
   compiled = compile_sampler_call(mesh, graphdef, state, spec, batch, width)
   report = _memory(compiled, topo.hbm_bytes, resident)
-  report.update(compile_seconds=time.perf_counter() - start,
-                kv_cache_bytes=_bytes_per_device(cache), prompts_per_call=batch,
+  report.update(compile_seconds=time.perf_counter() - start, prompts_per_call=batch,
                 rollouts_per_call=batch * s.n, rows_in_flight=in_flight,
-                scheduler=params.scheduler, prompt_length=width, cache_slots=slots)
+                scheduler=params.scheduler, prompt_length=width, cache_slots=slots,
+                kv_pages=None)
+  if params.scheduler == "continuous" and params.kv_pages is not None:
+    pages = page_plan(config, mesh, params, batch // data, width, in_flight // data,
+                      spare=topo.hbm_bytes - report["total_bytes"])
+    report.update(kv_cache_bytes=pages["kv_pages"] * pages["page_bytes"], **pages)
+  else:
+    cache = abstract_cache(config, in_flight, slots, mesh=mesh, rules=sampler_rules())
+    report.update(kv_cache_bytes=_bytes_per_device(cache))
   return report
+
+
+def page_plan(config: QwenConfig, mesh, params, prompts: int, prompt_length: int, slots: int,
+              spare: int) -> dict[str, int]:
+  """What a paged cache of ``params.kv_pages`` pages per data shard holds, for one shard's
+  ``prompts`` prompts of ``prompt_length`` slots and ``slots`` decode slots, and how many pages
+  would fit in ``spare`` more bytes per device.
+
+  Returns:
+    ``page_bytes``: one page's keys and values over every layer, per device (the KV heads
+    split over ``model`` when they divide it); ``kv_pages``; ``max_kv_pages``: the budget that
+    fills the device (the compiled program's other bytes do not grow with pages);
+    ``prompt_pages``: the prompts' pages, which stay for the call; ``rows_at_full_length``:
+    samples of ``max_new_tokens`` the other pages hold at once, per shard;
+    ``tokens_per_slot``: the mean sample length up to which every decode slot stays busy
+    without an eviction.
+  """
+  heads = config.num_key_value_heads
+  model_axis = mesh.shape["model"]
+  local_heads = heads // model_axis if heads % model_axis == 0 else heads
+  page_bytes = (2 * config.num_hidden_layers * local_heads * params.page_size * config.head_dim
+                * jnp.dtype(config.dtype).itemsize)  # the cache is in the compute dtype
+  prompt_pages = prompts * pages_for(prompt_length, params.page_size)
+  free = params.kv_pages - prompt_pages
+  return {"page_size": params.page_size, "page_bytes": page_bytes, "kv_pages": params.kv_pages,
+          "max_kv_pages": params.kv_pages + spare // page_bytes,  # floor: fewer when short
+          "prompt_pages": prompt_pages,
+          "rows_at_full_length": max(free, 0) // pages_for(params.max_new_tokens,
+                                                           params.page_size),
+          "tokens_per_slot": max(free, 0) * params.page_size // max(slots, 1)}
 
 
 def compile_sampler_call(mesh, graphdef, state, spec: LoopSpec | PoolSpec, batch: int,
@@ -279,7 +318,7 @@ def format_report(report: dict[str, Any]) -> str:
       f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
       f"(compiled in {l['compile_seconds']:.0f} s)",
       f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
-      f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) x {s['cache_slots']} slots: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
+      f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) {_cache_words(s)}: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
       f"optimizer state and reference {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
@@ -288,3 +327,13 @@ def format_report(report: dict[str, Any]) -> str:
   ]
   return "\n".join(lines)
 
+
+
+def _cache_words(s: dict[str, Any]) -> str:
+  """How the sampler report's cache holds its rows, in words."""
+  if s["kv_pages"] is None:
+    return f"x {s['cache_slots']} slots"
+  return (f"on {s['kv_pages']} pages of {s['page_size']} tokens per data shard ({s['prompt_pages']} "
+          f"for the prompts; the rest hold {s['rows_at_full_length']} rows at full length, or keep "
+          f"every slot busy while samples average up to {s['tokens_per_slot']} tokens; "
+          f"{s['max_kv_pages']} pages would fill the device)")
