@@ -27,3 +27,17 @@ import hypothesis  # noqa: E402
 # JIT compilation makes the first example slow; shapes are drawn from small fixed sets.
 hypothesis.settings.register_profile("rft_jax", deadline=None, max_examples=60, derandomize=True)
 hypothesis.settings.load_profile("rft_jax")
+
+
+# The files that take a minute or more, slowest first (`bash tests/run.sh --durations=60`). With
+# `--dist loadfile` each worker takes the next whole file, in collection order: started first,
+# the long files do not leave one worker running alone at the end while the other idles.
+SLOW_FILES = ("test_learner.py", "test_learner_token_batches.py", "test_train_loop.py",
+              "test_faults.py", "test_demo.py", "test_sampling.py", "test_plan.py",
+              "test_ppo_run.py", "test_attention.py", "test_compilation_cache.py",
+              "test_multihost.py", "test_sampling_continuous.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOW_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: file order kept
