@@ -152,8 +152,9 @@ def test_aggregation_weights_equal_aggregate_loss(mode):
 CASES = {
     "token-mean": dict(forecast_every=1),  # and the measured entropy change and its forecasts
     "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
-    "clip_b": dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5)),
     "clip_v": dict(entropy_mask=EntropyMaskConfig(kind="clip_v", mu_low=1.0, max_frac=0.05)),
+    # Clip_B's statistics over the whole batch, across mini-batches and epochs (one mini-batch
+    # and one epoch is the same path with fewer iterations).
     "clip_b-mini-batches": dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5),
                                 mini_batches=2, ppo_epochs=2),
 }
