@@ -4,12 +4,11 @@ import os
 
 # LLVM at -O0: the suite's programs are tiny and compiled once each, so XLA:CPU's compile time
 # is most of the suite's time; at -O0 a file compiles about twice as fast (tests/
-# test_entropy_target.py: 33 s instead of 72 s), and the tests check values, not speed; one LLVM
-# module per program instead of 32 split for parallel codegen (2 cores): 26 s. Runs and
+# test_entropy_target.py: 33 s instead of 72 s), and the tests check values, not speed. Runs and
 # benchmarks keep XLA's optimisation levels (the sampler's -O2: sampling/loop.py).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+    " --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu (the suite compiles for TPU topologies, deviceless) takes a machine-wide lock file unless
