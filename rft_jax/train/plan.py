@@ -328,7 +328,6 @@ def format_report(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-
 def _cache_words(s: dict[str, Any]) -> str:
   """How the sampler report's cache holds its rows, in words."""
   if s["kv_pages"] is None:
