@@ -78,8 +78,9 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
     # 2 layers x keys and values x 1 KV head per device (2 over model=2) x 8 tokens x 128 x 4 bytes
     assert sampler["page_bytes"] == 2 * 2 * 1 * 8 * 128 * 4
     assert sampler["kv_cache_bytes"] == kv_pages * sampler["page_bytes"]
-    # One prompt per data shard of 16 slots (2 pages); 38 pages hold 19 samples of 16 tokens.
-    assert sampler["prompt_pages"] == 2 and sampler["rows_at_full_length"] == 19
+    # One prompt per data shard of 16 slots (2 pages); 38 pages hold 12 samples of 16 tokens,
+    # each with up to 7 tokens of a partial prompt page (3 pages).
+    assert sampler["prompt_pages"] == 2 and sampler["rows_at_full_length"] == 12
     assert sampler["tokens_per_slot"] == 38 * 8 // 4  # 4 slots per shard
     assert sampler["max_kv_pages"] > kv_pages  # a tiny model: the device has room for more
     # The compiled program holds the pages: one data shard's per device, not the mesh's.

@@ -22,6 +22,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
+from rft_jax.parallel.mesh import axis_if_divides
+
 _LANES = 128  # splash blocks are multiples of the TPU lane width
 
 
@@ -73,7 +75,7 @@ def splash_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"]
   """
   fn = functools.partial(_splash_local, block_size=block_size, interpret=interpret)
   if mesh is not None:
-    heads = "model" if k.shape[2] % mesh.shape["model"] == 0 else None
+    heads = axis_if_divides(mesh, k.shape[2])
     spec = P("data", None, heads, None)
     fn = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P("data", None)),
                        out_specs=spec, check_vma=False)

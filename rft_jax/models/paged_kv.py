@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from rft_jax.models.attention import MASKED_SCORE
 from rft_jax.models.config import QwenConfig
+from rft_jax.parallel.mesh import axis_if_divides
 
 PAGED_ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu")
 
@@ -132,7 +133,7 @@ def paged_attention(q: Float[Array, "S N H"], k_pages: Float[Array, "K N P H"],
   :func:`jax.vmap` over its data shards with ``spmd_axis_name='data'``, which puts that axis on
   ``'data'``."""
   if mesh is not None and kind != "xla" and mesh.size > 1:
-    heads = "model" if k_pages.shape[0] % mesh.shape["model"] == 0 else None
+    heads = axis_if_divides(mesh, k_pages.shape[0])
     local = functools.partial(paged_attention, kind=kind)
     return jax.shard_map(local, mesh=mesh, check_vma=False,
                          in_specs=(P(None, heads, None), P(heads), P(heads), P(), P()),

@@ -1,7 +1,7 @@
 """Device meshes, the mapping of logical parameter axes onto them, and the host <-> global
 array boundary of multi-process runs."""
 
-from rft_jax.parallel.mesh import MESH_AXES, make_mesh
+from rft_jax.parallel.mesh import DATA_AXIS, MESH_AXES, MODEL_AXIS, axis_if_divides, make_mesh
 from rft_jax.parallel.multihost import global_array, host_array, is_main_process, sync_processes
 from rft_jax.parallel.sharding import (
     DEFAULT_RULES,
@@ -17,7 +17,8 @@ from rft_jax.parallel.sharding import (
 )
 
 __all__ = [
-    "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "Rules", "TP_RULES", "global_array", "host_array",
+    "DATA_AXIS", "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "MODEL_AXIS", "Rules",
+    "axis_if_divides", "TP_RULES", "global_array", "host_array",
     "is_main_process", "logical_to_spec", "make_mesh", "named_sharding", "shard_model",
     "state_shardings", "sync_processes", "tree_shardings", "with_shardings",
 ]

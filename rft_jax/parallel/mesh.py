@@ -7,7 +7,18 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES = ("data", "model")
+DATA_AXIS = "data"  # rows (and FSDP's parameter shards)
+MODEL_AXIS = "model"  # heads, MLP width, vocabulary (tensor parallelism)
+MESH_AXES = (DATA_AXIS, MODEL_AXIS)
+
+
+def axis_if_divides(mesh: Mesh, size: int, axis: str = MODEL_AXIS) -> str | None:
+  """``axis`` when the mesh's ``axis`` divides ``size`` evenly, else ``None`` (replicated).
+
+  The one rule for what a kernel under :func:`jax.shard_map` may split, e.g. key/value heads over
+  ``model``: the sharding rules replicate a dimension the axis does not divide, and so do the
+  kernels and ``rft-jax plan``'s byte counts."""
+  return axis if size % dict(mesh.shape).get(axis, 1) == 0 else None
 
 
 def make_mesh(data: int | None = None, model: int = 1,

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rft_jax.models.kv_cache import KVCache, init_cache
-from rft_jax.parallel import (DEFAULT_RULES, Rules, global_array, host_array, named_sharding,
+from rft_jax.parallel import (DATA_AXIS, DEFAULT_RULES, Rules, global_array, host_array, named_sharding,
                               tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
@@ -28,8 +28,6 @@ from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import OnDevice, Rollouts
-
-DATA_AXIS = "data"
 
 
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -108,10 +106,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   fingerprints[:num] = prompt_fingerprints(prompts)  # occurrence numbers count the whole list
   live = np.arange(total) < num
 
-  if params.scheduler == "continuous":
-    spec = PoolSpec.of(params, batch * n, data, cache_dtype)
-  else:
-    spec = LoopSpec.of(params, cache_dtype)
+  spec = call_spec(params, batch * n, data, cache_dtype)
   sample_loop = program_for(params, mesh)
   outs = []
   for call in range(calls):  # one compiled program for every call: the same shapes
@@ -146,6 +141,15 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       on_device=on_device,
       evictions=sum(int(host_array(o[4])) for o in outs if o[4] is not None),
   )
+
+
+def call_spec(params: SamplingParams, rollouts: int, data: int, cache_dtype=None
+              ) -> PoolSpec | LoopSpec:
+  """The static settings of one call of ``rollouts`` rows over ``data`` shards, for the program
+  ``params.scheduler`` picks (:func:`program_for`)."""
+  if params.scheduler == "continuous":
+    return PoolSpec.of(params, rollouts, data, cache_dtype)
+  return LoopSpec.of(params, cache_dtype)
 
 
 def program_for(params: SamplingParams, mesh: Mesh | None):

@@ -28,13 +28,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import pages_for
-from rft_jax.parallel import Rules
+from rft_jax.parallel import DATA_AXIS, Rules
 from rft_jax.sampling import paged_pool
 from rft_jax.sampling.loop import constrain
 from rft_jax.sampling.paged_pool import PagedPoolState
 from rft_jax.sampling.pool_state import PoolState
-
-DATA_AXIS = "data"  # the mesh axis the rows are laid out over (generate.DATA_AXIS)
 
 
 def data_shards(mesh: Mesh | None) -> int:

@@ -32,10 +32,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model, read_config
 from rft_jax.models.paged_kv import pages_for
-from rft_jax.parallel import make_mesh, state_shardings, with_shardings
+from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
+                              state_shardings, with_shardings)
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
-from rft_jax.sampling.generate import DATA_AXIS, abstract_cache, sampler_rules
+from rft_jax.sampling.generate import abstract_cache, call_spec, sampler_rules
 from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
@@ -213,11 +214,8 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   batch = batch_bucket(cfg.data.prompts_per_step, data, max_prompts)
   width = prompt_length_bucket(cfg.data.max_prompt_len)
   slots = cache_slots(width, s.max_new_tokens)
-  if params.scheduler == "continuous":
-    spec = PoolSpec.of(params, batch * s.n, data)
-    in_flight = spec.slots[0]
-  else:
-    spec, in_flight = LoopSpec.of(params), batch * s.n
+  spec = call_spec(params, batch * s.n, data)
+  in_flight = spec.slots[0] if isinstance(spec, PoolSpec) else batch * s.n
   start = time.perf_counter()
   compiled = compile_sampler_call(mesh, graphdef, state, spec, batch, width)
   report = _memory(compiled, topo.hbm_bytes, resident)
@@ -246,22 +244,24 @@ def page_plan(config: QwenConfig, mesh, params, prompts: int, prompt_length: int
     split over ``model`` when they divide it); ``kv_pages``; ``max_kv_pages``: the budget that
     fills the device (the compiled program's other bytes do not grow with pages);
     ``prompt_pages``: the prompts' pages, which stay for the call; ``rows_at_full_length``:
-    samples of ``max_new_tokens`` the other pages hold at once, per shard;
+    samples of ``max_new_tokens`` the other pages hold at once, per shard, each with its copy of
+    a partial prompt page;
     ``tokens_per_slot``: the mean sample length up to which every decode slot stays busy
     without an eviction.
   """
   heads = config.num_key_value_heads
-  model_axis = mesh.shape["model"]
-  local_heads = heads // model_axis if heads % model_axis == 0 else heads
+  local_heads = heads // mesh.shape[MODEL_AXIS] if axis_if_divides(mesh, heads) else heads
   page_bytes = (2 * config.num_hidden_layers * local_heads * params.page_size * config.head_dim
                 * jnp.dtype(config.dtype).itemsize)  # the cache is in the compute dtype
   prompt_pages = prompts * pages_for(prompt_length, params.page_size)
   free = params.kv_pages - prompt_pages
+  # A sample's own pages: its copy of the prompt's last partial page (up to page_size - 1
+  # prompt tokens, as the prompt's length falls) and its max_new_tokens.
+  full_row_pages = pages_for(params.max_new_tokens + params.page_size - 1, params.page_size)
   return {"page_size": params.page_size, "page_bytes": page_bytes, "kv_pages": params.kv_pages,
           "max_kv_pages": params.kv_pages + spare // page_bytes,  # floor: fewer when short
           "prompt_pages": prompt_pages,
-          "rows_at_full_length": max(free, 0) // pages_for(params.max_new_tokens,
-                                                           params.page_size),
+          "rows_at_full_length": max(free, 0) // full_row_pages,
           "tokens_per_slot": max(free, 0) * params.page_size // max(slots, 1)}
 
 
