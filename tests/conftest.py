@@ -1,6 +1,8 @@
 """Test-wide settings. The fake device count is set here, once, before JAX loads."""
 
 import os
+import shutil
+import tempfile
 
 # LLVM at -O0: the suite's programs are tiny and compiled once each, so XLA:CPU's compile time
 # is most of the suite's time; at -O0 a file compiles about twice as fast (tests/
@@ -9,6 +11,13 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_backend_optimization_level=0"
+    # XLA:CPU's older elemental emitters instead of its fusion emitters: the same arithmetic,
+    # compiled in about half the time (a learner step of tests/test_learner_token_batches.py:
+    # 2.1-2.8 s against 3.9-5.1 s).
+    " --xla_cpu_use_fusion_emitters=false"
+    # A multi-device program loaded from the persistent cache deadlocks in its collectives under
+    # XLA:CPU's concurrency-optimised scheduler (jax 0.10.2; tests/test_compilation_cache.py).
+    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu (the suite compiles for TPU topologies, deviceless) takes a machine-wide lock file unless
@@ -18,9 +27,17 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # TF32 by default (logits ~4e-3 off transformers' on an H100: benchmarks/gpu.sh tests); that is a
 # speed setting, not what the tests check. (No effect on CPU.)
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# A run uses JAX's own cache directory where one is set (rft_jax/train/compilation_cache.py); the
-# tests choose their caches themselves, whatever the developer's shell says.
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# One persistent compilation cache for the whole run, shared by the xdist workers and the
+# processes the tests start (JAX_* variables are inherited): many tests build the same small
+# programs (the loop's sampler, learner and evaluation on one tiny config; a learner per case),
+# and a program one test compiled loads in the next instead of compiling again. A run uses it
+# as JAX's own cache directory unless told otherwise (rft_jax/train/compilation_cache.py); the
+# tests of that choice set their caches themselves. Every program is kept (threshold 0).
+# The controller makes the directory; its workers inherit the variable.
+if "RFT_JAX_TESTS_TMP" not in os.environ:
+  os.environ["RFT_JAX_TESTS_TMP"] = tempfile.mkdtemp(prefix="rft_jax_tests_")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["RFT_JAX_TESTS_TMP"], "jax_cache")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import hypothesis  # noqa: E402
 
@@ -41,3 +58,8 @@ SLOW_FILES = ("test_learner.py", "test_learner_token_batches.py", "test_train_lo
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(SLOW_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: file order kept
+
+
+def pytest_sessionfinish(session):
+  if not hasattr(session.config, "workerinput"):  # the controller, once the workers are done
+    shutil.rmtree(os.environ["RFT_JAX_TESTS_TMP"], ignore_errors=True)

@@ -26,6 +26,7 @@ def test_a_resumed_run_loads_the_programs_its_first_process_compiled(tmp_path):
   setup = make_loop_files(tmp_path)
   run_dir = tmp_path / "run"
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # keep every program
+  env.pop("JAX_COMPILATION_CACHE_DIR")  # the suite's (tests/conftest.py): nothing about caches
   env["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 
   def train(steps):

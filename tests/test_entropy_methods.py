@@ -89,8 +89,10 @@ def test_kl_cov_penalises_its_top_tokens_and_its_first_on_policy_update_is_grpos
   assert kl["method_frac"] == penalised.sum() / valid.sum() == max(int(0.1 * valid.sum()), 1) / valid.sum()
   # log p = log p_old on the first update: no penalty, and no gradient from |log p - log p_old|.
   assert kl["loss"] == pytest.approx(grpo["loss"], rel=1e-6)
+  # Two programs: the same update to float32 rounding (2e-7 where a penalty would move it by
+  # lr x coef).
   for a, b in zip(jax.tree.leaves(kl_state.params), jax.tree.leaves(grpo_state.params)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_methods_that_have_no_dual_clip_refuse_one():

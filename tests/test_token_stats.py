@@ -124,7 +124,9 @@ def test_chunking_bounds_peak_memory():
   naive_fwd, chunked_fwd = (compiled_temp_bytes(fwd(c), h, w, t) for c in (None, chunk))
   naive_bwd, chunked_bwd = (compiled_temp_bytes(fwd_bwd(c), h, w, t) for c in (None, chunk))
   assert naive_fwd > full_logits_bytes and naive_bwd > 2 * full_logits_bytes
-  assert chunked_fwd < 4 * chunk_logits_bytes
+  # 3.06 chunks under XLA:CPU's default scheduler, 4.06 under the one tests/conftest.py sets;
+  # the naive path holds the 8 chunks of the full logits several times over.
+  assert chunked_fwd < 5 * chunk_logits_bytes
   # backward also holds the float32 gradient of the unembedding (d x v)
   assert chunked_bwd < 4 * chunk_logits_bytes + 3 * d * v * 4, (chunked_bwd, naive_bwd)
 

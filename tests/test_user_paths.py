@@ -3,11 +3,20 @@ reads the same from any directory; the demo finds its config and checkpoint from
 
 import os
 
+import pytest
 import yaml
 
 from rft_jax import cli
 from rft_jax.demo.paths import DEFAULT_CONFIG, REPO_ROOT, load_demo_config
+from rft_jax.train.compilation_cache import persistent_compilation_cache
 from rft_jax.train.config import PATH_KEYS, load_config, to_yaml
+
+
+@pytest.fixture
+def no_jax_cache():
+  """JAX told of no cache directory (the suite sets one: tests/conftest.py)."""
+  with persistent_compilation_cache(None):
+    yield
 
 
 def test_relative_paths_are_resolved_against_the_current_directory(tmp_path, monkeypatch):
@@ -47,7 +56,7 @@ def test_unset_paths_and_urls_are_kept(tmp_path, monkeypatch):
   assert cfg.model.path == str(tmp_path / "m")
 
 
-def test_demo_config_resolves_from_another_directory(tmp_path, monkeypatch):
+def test_demo_config_resolves_from_another_directory(tmp_path, monkeypatch, no_jax_cache):
   monkeypatch.chdir(tmp_path)
   assert cli.build_parser().parse_args(["demo"]).config == DEFAULT_CONFIG
   cfg = load_demo_config()
@@ -57,7 +66,7 @@ def test_demo_config_resolves_from_another_directory(tmp_path, monkeypatch):
   assert cfg.compilation_cache_dir == str(tmp_path / "runs" / "demo" / ".jax_cache")  # not ./runs
 
 
-def test_demo_overrides_are_relative_to_the_current_directory(tmp_path, monkeypatch):
+def test_demo_overrides_are_relative_to_the_current_directory(tmp_path, monkeypatch, no_jax_cache):
   monkeypatch.chdir(tmp_path)
   cfg = load_demo_config(DEFAULT_CONFIG, ["run_dir=out", "model.path=mine"])
   assert cfg.run_dir == str(tmp_path / "out") and cfg.model.path == str(tmp_path / "mine")
