@@ -17,8 +17,8 @@ from rft_jax.parallel.sharding import (
 )
 
 __all__ = [
-    "DATA_AXIS", "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "MODEL_AXIS", "Rules",
-    "axis_if_divides", "TP_RULES", "global_array", "host_array",
-    "is_main_process", "logical_to_spec", "make_mesh", "named_sharding", "shard_model",
+    "DATA_AXIS", "DEFAULT_RULES", "FSDP_RULES", "MESH_AXES", "MODEL_AXIS", "Rules", "TP_RULES",
+    "axis_if_divides", "global_array", "host_array", "is_main_process", "logical_to_spec",
+    "make_mesh", "named_sharding", "shard_model",
     "state_shardings", "sync_processes", "tree_shardings", "with_shardings",
 ]

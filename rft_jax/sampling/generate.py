@@ -20,8 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rft_jax.models.kv_cache import KVCache, init_cache
-from rft_jax.parallel import (DATA_AXIS, DEFAULT_RULES, Rules, global_array, host_array, named_sharding,
-                              tree_shardings, with_shardings)
+from rft_jax.parallel import (DATA_AXIS, DEFAULT_RULES, Rules, global_array, host_array,
+                              named_sharding, tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
 from rft_jax.sampling.continuous import PoolSpec, pool_for
