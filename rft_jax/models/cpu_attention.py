@@ -16,9 +16,9 @@ slots::
 
 in float32, as ``attend`` does; only the summation order and ``exp`` (a polynomial good to about
 2e-7) differ (``tests/test_cpu_attention.py`` compares them). On that model the decode step's
-attention takes 3.3 ms of 26.1 where ``attend`` takes 7.1 of 29.9 (``python
-benchmarks/decode_layout.py``: 64 steps after 48 prompt slots; ``python
-benchmarks/cpu_attention.py`` times one layer's call).
+attention takes 7.0 ms of 39.5 where ``attend`` takes 12.0 of 44.5 (``python
+benchmarks/decode_layout.py --rounds 5``, medians, 2026-11-27: 64 steps after 48 prompt slots;
+``python benchmarks/cpu_attention.py`` times one layer's call).
 
 Its vectors are one register wide on the CPU it is built for (8 float lanes with AVX2, 16 with
 AVX-512). Written with 16-lane vectors throughout, it spilled them on an AVX2 machine (the AMD

@@ -131,9 +131,9 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
   ``jax.profiler`` trace shows it); summed as 64 products added pairwise, an elementwise fusion
   split over the cores, the step takes 27.0 ms, too little gain for 64-term kernels. So on one
   CPU device the sampler runs :func:`rft_jax.models.cpu_attention.attend` instead, a compiled
-  kernel that reads only each row's live slots, on both cores: attention 3.3 ms of a 26.1 ms
-  step where this form takes 7.1 of 29.9 (same run, ``decode_layout.py``, 64 steps from 48
-  prompt slots).
+  kernel that reads only each row's live slots, on both cores: attention 7.0 ms of a 39.5 ms
+  step where this form takes 12.0 of 44.5 (``decode_layout.py --rounds 5``, 2026-11-27, 64
+  steps from 48 prompt slots).
   """
   h = q.shape[-1]
   scores = jnp.sum(q[..., None].astype(jnp.float32) * k_cache[:, :, None].astype(jnp.float32),
