@@ -173,6 +173,7 @@ def _attribute(args: argparse.Namespace) -> int:
 
   from rft_jax.rewards.user_functions import load_function
   from rft_jax.rl.config import EntropyMaskConfig
+  from rft_jax.rl.token_methods import configured_class
   from rft_jax.train.attribution import attribute, attribution_html, character_class
   from rft_jax.train.config import ConfigError
 
@@ -183,12 +184,13 @@ def _attribute(args: argparse.Namespace) -> int:
   model, tokenizer, problems, sampling = _sampling_inputs(args)
   cfg = sampling.pop("config")
   lr = args.lr if args.lr is not None else (cfg.learner.lr if cfg else 1e-6)
-  mask = cfg.learner.entropy_mask if cfg and cfg.learner.entropy_mask.kind != "none" else EntropyMaskConfig(kind="clip_b")
+  has_mask = cfg and configured_class(cfg.learner.entropy_mask, removes_tokens=True).chooses_tokens
+  mask = cfg.learner.entropy_mask if has_mask else EntropyMaskConfig(kind="clip_b")
   if mask.target_entropy is not None:  # the page marks a fixed cut
     mask = dataclasses.replace(mask, target_entropy=None)
   completions = attribute(model, tokenizer, problems[:args.problems], k=args.k, temperature=args.temperature,
                           seed=args.seed, lr=lr, mask=mask, token_class=classes, **sampling)
-  name = {"clip_b": "Clip_B", "clip_v": "Clip_V"}.get(mask.kind, mask.kind)
+  name = configured_class(mask, removes_tokens=True).title
   with open(args.out, "w") as f:
     f.write(attribution_html([(f"{args.model}: {args.problems} problems x {args.k} samples", completions)], name))
   print(args.out)

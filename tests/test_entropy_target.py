@@ -9,7 +9,8 @@ import pytest
 
 from rft_jax.entropy import TokenStats, batch_entropy_change, clip_b_mask
 from rft_jax.rl.config import EntropyMaskConfig
-from rft_jax.rl.entropy_mask import TARGET_MU_GRID, entropy_target_cut
+from rft_jax.rl.token_methods import TARGET_MU_GRID, TokenInputs
+from rft_jax.rl.token_methods.entropy_target import EntropyTarget
 from rft_jax.rl.learner import Learner
 from test_learner import config, synthetic_batch, tiny_model
 
@@ -28,7 +29,8 @@ def batch(entropy_level: float, seed: int = 0):
 def test_the_cut_asks_for_more_entropy_the_further_below_the_target(entropy, share):
   cfg = config(entropy_mask=EntropyMaskConfig(kind="clip_b", target_entropy=1.0, target_band=0.1))
   stats, advantages, mask = batch(entropy)
-  keep, mu, got_share = entropy_target_cut(cfg, stats, stats.logp, advantages, mask)
+  choice = EntropyTarget(cfg).choose(TokenInputs(stats, stats.logp, advantages, mask, mask, jnp.asarray(0)))
+  keep, mu, got_share = choice.keep, choice.metrics["target_mu"], choice.metrics["target_share"]
   assert float(got_share) == pytest.approx(share, abs=1e-4)  # float32 entropies
   forecasts = {m: float(batch_entropy_change(advantages, stats.centered, mask * clip_b_mask(
       stats.s_star, advantages, mask, mu_low=m), 1.0)) for m in TARGET_MU_GRID[1:]}

@@ -13,7 +13,7 @@ import torch
 
 from rft_jax import entropy as E
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
-from rft_jax.rl.entropy_mask import entropy_keep_mask
+from rft_jax.rl.token_methods import entropy_keep_mask
 
 
 def trinity_clip_b_keep(rollout_log_probs, entropys, response_mask, advantages, mu=2.5):

@@ -38,7 +38,7 @@ VARIANTS = {
     # does not bind (the cut masks ~0.4%: benchmarks/demo_mask_forecast.py).
     "clip_b": ["learner.entropy_mask.kind=clip_b"],
     "clip_v": ["learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"],
-    # The paper's Table 3 comparisons (rft_jax.rl.entropy_methods). Clip-Cov and KL-Cov keep verl's
+    # The paper's Table 3 comparisons (rft_jax.rl.token_methods). Clip-Cov and KL-Cov keep verl's
     # covariance bounds and coefficient; their token shares are raised from verl's 2e-4 (under
     # one token of a demo batch) to 0.2% (about 5 tokens), as Clip_V's cap is above.
     "clip_cov": ["learner.entropy_method.kind=clip_cov", "learner.entropy_method.clip_cov_ratio=0.002"],
@@ -48,7 +48,7 @@ VARIANTS = {
                "learner.mini_batches=4"],
     "forking": ["learner.entropy_method.kind=forking"],  # the top 20% of tokens by entropy
     "unlikely": ["learner.beta_rank=0.25"],  # the authors' released recipe
-    # A closed loop (rft_jax.rl.entropy_mask.entropy_target_cut): Clip_B's cut chosen per batch to
+    # A closed loop (rft_jax.rl.token_methods.entropy_target): Clip_B's cut chosen per batch to
     # hold the training batches' entropy near 0.02 nats/token (GRPO's falls from about 0.024 in
     # the first quarter of the run to 0.015 in the last).
     "target": ["learner.entropy_mask.kind=clip_b", "learner.entropy_mask.target_entropy=0.02"],

@@ -1,6 +1,6 @@
 """Configuration of the learner, with the paper's symbols (validated on construction).
 
-Part of the run's single config tree (``rft_jax.config``): YAML and dotted CLI
+Part of the run's single config tree (``rft_jax.train.config``): YAML and dotted CLI
 overrides are merged into these dataclasses, so a typo or a wrong type is an error.
 """
 
@@ -10,15 +10,13 @@ import dataclasses
 import math
 from typing import Optional
 
-from rft_jax.entropy.clipping import CLIP_B_MU_LOW, CLIP_V_MAX_FRAC, CLIP_V_MU_LOW, LOGP_SOURCES, SAMPLES
+from rft_jax.entropy.clipping import CLIP_V_MAX_FRAC, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
 from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from rft_jax.rl.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
 from rft_jax.rl.forking_tokens import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
-
-ENTROPY_MASKS = ("none", "clip_b", "clip_v", "sign")
-ENTROPY_METHODS = ("none", "clip_cov", "kl_cov", "forking")
+from rft_jax.rl.token_methods import configured_class, method_class
 SCHEDULES = ("constant", "warmup_cosine")
 REF_DTYPES = (None, *DTYPES)
 
@@ -46,8 +44,8 @@ class EntropyMaskConfig:
   """Which tokens the entropy-discriminator mask removes from the loss.
 
   Attributes:
-    kind: ``none``, ``clip_b`` (Algorithm 1), ``clip_v`` (Algorithm 2) or ``sign``
-      (the Figure 1 masks on the sign of S_*).
+    kind: a registered entropy mask (``rft_jax.rl.token_methods``): ``none``, ``clip_b``
+      (Algorithm 1), ``clip_v`` (Algorithm 2) or ``sign`` (the Figure 1 masks on the sign of S_*).
     mu_low: lower cut mu^- in batch standard deviations (None: the kind's default,
       2.5 for Clip_B and 8.5 for Clip_V).
     mu_high: upper cut mu^+ (None: no upper cut, as the released configs).
@@ -62,8 +60,8 @@ class EntropyMaskConfig:
       of the chosen samples), ``drop`` (all but those) or ``only`` (those tokens and nothing else
       of the batch; ``rft_jax.entropy.clipping.discriminator_sign_mask``).
     target_entropy: with ``clip_b`` / ``clip_v``, choose the cut ``mu_low`` per batch to hold
-      the policy's mean token entropy near this value (``rft_jax.rl.entropy_mask.
-      entropy_target_cut``; None: the fixed cut). target_band: how far below the target, as a
+      the policy's mean token entropy near this value (``rft_jax.rl.token_methods.
+      entropy_target``; None: the fixed cut). target_band: how far below the target, as a
       share of it, the most entropy-raising cut is taken (the asked effect grows linearly
       from the target down to there).
   """
@@ -83,11 +81,8 @@ class EntropyMaskConfig:
     _finite_numbers("entropy_mask", self)
     if self.target_entropy is not None:
       _positive("entropy_mask.target_entropy", self.target_entropy)
-      if self.kind not in ("clip_b", "clip_v"):
-        raise ValueError(f"entropy_mask.target_entropy chooses a Clip_B / Clip_V cut: set entropy_mask.kind "
-                         f"to clip_b or clip_v, not {self.kind!r}")
     _positive("entropy_mask.target_band", self.target_band)
-    _choice("entropy_mask.kind", self.kind, ENTROPY_MASKS)
+    configured_class(self, removes_tokens=True).check(self)
     _choice("entropy_mask.samples", self.samples, SAMPLES)
     _choice("entropy_mask.sign", self.sign, ("positive", "negative"))
     _choice("entropy_mask.action", self.action, ("keep", "drop", "only"))
@@ -99,10 +94,11 @@ class EntropyMaskConfig:
         _positive(f"entropy_mask.{name}", getattr(self, name), allow_zero=True)
 
   @property
-  def resolved_mu_low(self) -> float:
+  def resolved_mu_low(self) -> float | None:
+    """``mu_low``, else the default of a mask with a cut (None for one without)."""
     if self.mu_low is not None:
       return self.mu_low
-    return CLIP_V_MU_LOW if self.kind == "clip_v" else CLIP_B_MU_LOW
+    return getattr(method_class(self.kind, removes_tokens=True), "default_mu_low", None)
 
   @property
   def resolved_max_frac(self) -> float:
@@ -111,10 +107,11 @@ class EntropyMaskConfig:
 
 @dataclasses.dataclass
 class EntropyMethodConfig:
-  """One of the entropy methods the paper compares with (``rft_jax.rl.entropy_methods``).
+  """One of the entropy methods the paper compares with (``rft_jax.rl.token_methods``).
 
   Attributes:
-    kind: ``none``, ``clip_cov`` or ``kl_cov`` (Cui et al. 2025), ``forking`` (Wang et al. 2025).
+    kind: a registered entropy method (``rft_jax.rl.token_methods``): ``none``, ``clip_cov`` or
+      ``kl_cov`` (Cui et al. 2025), ``forking`` (Wang et al. 2025).
     clip_cov_ratio / clip_cov_lb / clip_cov_ub: Clip-Cov's share of tokens and its open covariance
       bounds (verl 0.9.1 defaults 2e-4, 1, 5).
     kl_cov_ratio / kl_cov_coef: KL-Cov's share of tokens and its coefficient (verl 0.9.1: 2e-4, 0.1).
@@ -131,7 +128,7 @@ class EntropyMethodConfig:
 
   def __post_init__(self):
     _finite_numbers("entropy_method", self)
-    _choice("entropy_method.kind", self.kind, ENTROPY_METHODS)
+    configured_class(self, removes_tokens=False).check(self)
     for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_rho"):
       value = getattr(self, name)
       if not 0 < value <= 1:
@@ -241,10 +238,10 @@ class LearnerConfig:
       raise ValueError(f"learner.micro_batch_tokens must be a positive integer or null, got {self.micro_batch_tokens!r}")
     if self.dual_clip is not None and self.dual_clip <= 1:
       raise ValueError(f"learner.dual_clip must be > 1, got {self.dual_clip}")
-    if self.dual_clip is not None and self.entropy_method.kind in ("clip_cov", "kl_cov"):
-      raise ValueError(f"learner.dual_clip={self.dual_clip} with entropy_method.kind="
-                       f"{self.entropy_method.kind}: that method's loss (verl's) has no dual clip; "
-                       "set learner.dual_clip=null")
+    for method in (configured_class(self.entropy_mask, True), configured_class(self.entropy_method, False)):
+      if self.dual_clip is not None and method.replaces_loss:
+        raise ValueError(f"learner.dual_clip={self.dual_clip} with {method.name}: that method's loss "
+                         "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
     if self.max_grad_norm is not None:

@@ -7,8 +7,10 @@ A step, all inside one ``jax.jit`` with explicit shardings:
    :math:`\mathrm{softmax}(z/T)` (``token_stats`` on hidden states, chunked over
    positions). They give the old log-probs of the ratio, the metrics, the Corollary 4
    forecast and the entropy mask.
-2. **Entropy mask** (Clip_B / Clip_V / sign) on the *whole batch*, multiplied into the
-   loss mask, so masked tokens leave numerator and denominator.
+2. **Token methods** (``rft_jax.rl.token_methods``) on the *whole batch*: the entropy mask
+   (Clip_B / Clip_V / sign / the entropy target) is multiplied into the loss mask, so masked
+   tokens leave numerator and denominator; the entropy method (Clip-Cov / KL-Cov / forking
+   tokens) weights or penalises tokens of the loss numerator, or gives its own loss.
 3. **Updates**: ``ppo_epochs`` x ``mini_batches`` optimizer steps; each accumulates the
    gradients of its micro-batches (normalised by the mini-batch's global token /
    sequence counts, so accumulation is exact), clips the global norm and applies AdamW.
@@ -73,11 +75,10 @@ from rft_jax.rl.batching import (
     split_rows,
 )
 from rft_jax.rl.config import LearnerConfig
-from rft_jax.rl.entropy_mask import entropy_keep_mask, entropy_target_cut
-from rft_jax.rl.entropy_methods import MethodTokens, method_policy_loss, method_tokens
 from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser, ppo_clipped_loss
 from rft_jax.rl.nonfinite import keep_if_finite
 from rft_jax.rl.optimizer import make_optimizer, optimizer_shardings
+from rft_jax.rl.token_methods import TokenInputs, configured_method
 from rft_jax.rl.token_batches import (
     PackedRows,
     gather_tokens,
@@ -146,6 +147,8 @@ class Learner:
     self.data_axis = data_axis
     self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
     self.optimizer, self.schedule = make_optimizer(config)
+    self.entropy_mask = configured_method(config, removes_tokens=True)  # Clip_B, Clip_V, ...
+    self.entropy_method = configured_method(config, removes_tokens=False)  # Clip-Cov, KL-Cov, ...
     self._reference_source = reference
     self.reference = None  # frozen reference parameters, set by init() when kl_coef > 0
     self._train_step = None  # compiled on the first step, with the state's shardings
@@ -301,9 +304,9 @@ class Learner:
     terms = ppo_clipped_loss(stats.logp, old_logp, micro["advantages"], eps_low=c.eps_low,
                              eps_high=c.eps_high, dual_clip=c.dual_clip)
     policy_loss = terms.loss
-    if c.entropy_method.kind != "none":
-      tokens = MethodTokens(micro["method_weight"], micro["method_penalised"])
-      policy_loss = method_policy_loss(c, terms.loss, stats.logp, old_logp, micro["advantages"], mask, tokens)
+    if self.entropy_method.chooses_tokens:
+      policy_loss = self.entropy_method.policy_loss(terms.loss, stats.logp, old_logp, micro["advantages"], mask,
+                                                    micro["method_weight"], micro["method_penalised"])
     loss = aggregate(policy_loss, mask, c.loss_agg, normaliser)
     if c.kl_coef > 0:
       loss += c.kl_coef * aggregate(kl_penalty(stats.logp, micro["ref_logp"], c.kl_estimator),
@@ -333,15 +336,16 @@ class Learner:
     return loss, (counts, jax.lax.stop_gradient(stats))
 
   def _batch_token_choices(self, stats, per_token, response, sampler_logp, step):
-    """The whole batch's entropy keep-mask and entropy-method tokens (``rft_jax.rl.entropy_mask``,
-    ``rft_jax.rl.entropy_methods``) from the pre-update statistics; adds the loss mask and the
-    method's arrays to ``per_token``. Returns ``(per_token, keep, tokens)``."""
-    keep = entropy_keep_mask(self.config, stats, sampler_logp, per_token["advantages"], response)
-    per_token = dict(per_token, loss_mask=response * keep)
-    tokens = method_tokens(self.config, stats, per_token["advantages"], per_token["loss_mask"], step)
-    if self.config.entropy_method.kind != "none":
-      per_token.update(method_weight=tokens.weight, method_penalised=tokens.penalised)
-    return per_token, keep, tokens
+    """The whole batch's entropy-mask and entropy-method choices (``rft_jax.rl.token_methods``)
+    from the pre-update statistics; adds the loss mask and the method's arrays to ``per_token``.
+    Returns ``(per_token, masked, chosen)``: the two :class:`TokenChoice`."""
+    inputs = TokenInputs(stats, sampler_logp, per_token["advantages"], response, response, step)
+    masked = self.entropy_mask.choose(inputs)
+    per_token = dict(per_token, loss_mask=response * masked.keep)
+    chosen = self.entropy_method.choose(inputs._replace(loss_mask=per_token["loss_mask"]))
+    if self.entropy_method.chooses_tokens:
+      per_token.update(method_weight=chosen.weight, method_penalised=chosen.penalised)
+    return per_token, masked, chosen
 
   def _single_pass_loss(self, params, per_token, response, sampler_logp, first_position, step):
     """The loss of a step that is one update on one micro-batch: the pre-update statistics
@@ -350,10 +354,10 @@ class Learner:
     stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
                               entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     fixed = jax.lax.stop_gradient(stats)
-    micro, keep, tokens = self._batch_token_choices(fixed, per_token, response, sampler_logp, step)
+    micro, masked, chosen = self._batch_token_choices(fixed, per_token, response, sampler_logp, step)
     normaliser = self._loss_normaliser(micro["loss_mask"], per_token["input_ids"])
     loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
-    return loss, (counts, fixed, keep, tokens)
+    return loss, (counts, fixed, masked, chosen)
 
   def _apply(self, state: TrainState, grads) -> tuple[TrainState, jax.Array]:
     """One optimizer step with ``grads``; returns the new state and the gradient norm."""
@@ -427,7 +431,7 @@ class Learner:
     batch (no entropy mask, no entropy method), so each micro-batch's loss needs only its own
     statistics. Otherwise a pre-update pass runs first (one more forward of the batch)."""
     c = self.config
-    local = c.entropy_mask.kind == "none" and c.entropy_method.kind == "none"
+    local = not (self.entropy_mask.chooses_tokens or self.entropy_method.chooses_tokens)
     return c.mini_batches == 1 and c.ppo_epochs == 1 and (local or self.is_single_pass(batch_size))
 
   def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int,
@@ -469,20 +473,20 @@ class Learner:
 
     if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
-      (loss, (counts, stats, keep, tokens)), grads = grad_fn(
+      (loss, (counts, stats, masked, chosen)), grads = grad_fn(
           state.params, per_token, response, sampler_logp, first_position, state.step)
       state, grad_norm = self._apply(state, grads)
-      loss_mask, losses, grad_norms, updates_done = response * keep, [loss], [grad_norm], 1
+      loss_mask, losses, grad_norms, updates_done = response * masked.keep, [loss], [grad_norm], 1
     elif self.shares_forward_pass(batch.input_ids.shape[0]):  # every token in the loss
       per_token = dict(per_token, loss_mask=response)
       state, loss, grad_norm, counts, stats = self._update(
           state, per_token, True, first_position, with_stats=True,
           token_index=None if token_index is None else token_index[0])
-      _, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
+      _, masked, chosen = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask, losses, grad_norms, updates_done = response, [loss], [grad_norm], 1
     else:
       stats = self.batch_stats(state.params, batch, stats_from_column, token_index=token_index)
-      per_token, keep, tokens = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
+      per_token, masked, chosen = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask = per_token["loss_mask"]
       per_token["old_logp"] = stats.logp
       losses, grad_norms = [], []
@@ -503,7 +507,7 @@ class Learner:
     valid = response > 0
     n_loss_tokens = jnp.maximum(jnp.sum(loss_mask) * updates_done, 1.0)
     positive, negative = valid & (advantages > 0), valid & (advantages < 0)
-    masked = valid & ~keep
+    removed = valid & ~masked.keep
     metrics = {
         "loss": jnp.mean(jnp.stack(losses)),
         "grad_norm": jnp.mean(jnp.stack(grad_norms)),
@@ -515,22 +519,22 @@ class Learner:
         "clip_frac_high": counts["clipped_high"] / n_loss_tokens,
         "clip_frac_dual": counts["clipped_dual"] / n_loss_tokens,
         "ratio_dev_max": counts["ratio_dev_max"],
-        "mask_frac": jnp.sum(masked) / jnp.maximum(jnp.sum(valid), 1),
-        "mask_frac_positive": jnp.sum(masked & positive) / jnp.maximum(jnp.sum(positive), 1),
-        "mask_frac_negative": jnp.sum(masked & negative) / jnp.maximum(jnp.sum(negative), 1),
+        "mask_frac": jnp.sum(removed) / jnp.maximum(jnp.sum(valid), 1),
+        "mask_frac_positive": jnp.sum(removed & positive) / jnp.maximum(jnp.sum(positive), 1),
+        "mask_frac_negative": jnp.sum(removed & negative) / jnp.maximum(jnp.sum(negative), 1),
         "entropy_change_forecast": batch_entropy_change(advantages, stats.centered, loss_mask, lr),
         "logp_mismatch": masked_mean(jnp.abs(sampler_logp - stats.logp), valid),
         "response_tokens": jnp.sum(valid),
     }
-    if c.entropy_method.kind != "none":  # the share of loss tokens the method drops or penalises
-      touched = tokens.penalised if c.entropy_method.kind == "kl_cov" else (tokens.weight == 0)
+    if self.entropy_method.chooses_tokens:  # the share of loss tokens the method drops or penalises
+      touched = self.entropy_method.touched(chosen)
       metrics["method_frac"] = jnp.sum(touched & (loss_mask > 0)) / jnp.maximum(jnp.sum(loss_mask > 0), 1)
-    if c.entropy_mask.target_entropy is not None:  # the cut the entropy target chose, and why
-      _, metrics["target_mu"], metrics["target_share"] = entropy_target_cut(c, stats, sampler_logp, advantages, response)
+    metrics.update(masked.metrics)  # e.g. the cut the entropy target chose, and why
+    metrics.update(chosen.metrics)
     if ref_logp is not None:  # measured with the pre-update parameters
       metrics["kl"] = masked_mean(kl_penalty(stats.logp, ref_logp, c.kl_estimator), valid)
     state, metrics["nonfinite_skipped"] = keep_if_finite(state, start, losses + grad_norms)
-    return state, metrics, self._row_stats(stats, valid, masked)
+    return state, metrics, self._row_stats(stats, valid, removed)
 
   @staticmethod
   def _row_stats(stats, valid, masked) -> dict[str, jax.Array]:
@@ -550,8 +554,7 @@ class Learner:
   def _entropy_change_fn(self, before, after, batch: LearnerBatch, stats_from_column: int = 0, token_index=None):
     r"""``(H(after), dH)``: the token-mean entropy of ``batch``'s responses under parameters
     ``after``, and the exact first-order change of the entropy under the update applied,
-    :math:`
-abla_	heta H(	heta_0) \cdot (	heta_1 - 	heta_0)` (a ``jax.jvp`` at ``before``
+    :math:`\nabla_\theta H(\theta_0) \cdot (\theta_1 - \theta_0)` (a ``jax.jvp`` at ``before``
     along ``after - before``; same tokens, same temperature).
 
     Corollary 4 forecasts the change in logit space, as if each token's logits moved by its own

@@ -31,7 +31,7 @@ from rft_jax.entropy import token_stats
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
-from rft_jax.rl.entropy_mask import entropy_keep_mask
+from rft_jax.rl.token_methods import entropy_keep_mask
 from rft_jax.sampling import SamplingParams, generate
 
 # token class of a completion's token: (problem, completion text, start, end of the token) -> name
