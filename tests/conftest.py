@@ -24,8 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # told that several processes (pytest-xdist workers) may load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The tests compare float32 math with references. On a GPU, XLA runs float32 matrix products in
-# TF32 by default (logits ~4e-3 off transformers' on an H100: benchmarks/gpu.sh tests); that is a
-# speed setting, not what the tests check. (No effect on CPU.)
+# TF32 by default (logits ~4e-3 off transformers' on an H100: benchmarks/accelerator/gpu.sh
+# tests); that is a speed setting, not what the tests check. (No effect on CPU.)
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # One persistent compilation cache for the whole run, shared by the xdist workers and the
 # processes the tests start (JAX_* variables are inherited): many tests build the same small

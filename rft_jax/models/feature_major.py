@@ -5,7 +5,7 @@ XLA:CPU the products run faster weight-first, ``W^T [out, in] x h [in, B]``, tha
 ``h^T [B, in] x W [in, out]``: the kernels tile the long ``out`` axis, where row-first tiles
 leave a remainder of the few ``B`` rows, and split unevenly over the cores. On the peers' large
 model (hidden 512, 8 layers, vocabulary 32,768; 32 rows, 176 cache slots, two cores) a decode
-step takes 27.2 ms here against 33.7 ms row-first (``python benchmarks/decode_layout.py``,
+step takes 27.2 ms here against 33.7 ms row-first (``python benchmarks/speed/decode_layout.py``,
 2026-11-26).
 
 So this path keeps every activation feature-major (``[D, B]``, ``[N, H, B]``, ``[F, B]``) from
@@ -126,7 +126,7 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
   Each of the ``B K`` products has only ``G`` (query heads per key head) rows, which XLA:CPU's
   matrix kernels tile poorly; the elementwise sum reads each cached key once, along contiguous
   slots: 27.2 ms a decode step of the peers' large model against 28.5 ms with the product
-  (``python benchmarks/decode_layout.py``). Attention is still 6.4 ms of that step (20.9 ms
+  (``python benchmarks/speed/decode_layout.py``). Attention is still 6.4 ms of that step (20.9 ms
   without it): the sum over ``H`` is a reduction, which XLA:CPU runs on one thread (a
   ``jax.profiler`` trace shows it); summed as 64 products added pairwise, an elementwise fusion
   split over the cores, the step takes 27.0 ms, too little gain for 64-term kernels. So on one

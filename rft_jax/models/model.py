@@ -211,7 +211,7 @@ class Qwen(nnx.Module):
         program keep them one (on XLA:CPU; the sampler slices at constant offsets on GPUs and
         TPUs, see ``sample_loop``): the sampler's CPU program of the peers' small model (4 layers)
         compiles in 1.9 s instead of 2.3 s, the large one (8 layers) in 2.3 s instead of 2.7
-        (``python benchmarks/sampler_compile.py [--model large]``). Indices made inside the
+        (``python benchmarks/speed/sampler_compile.py [--model large]``). Indices made inside the
         program are constants, which XLA folds back into the slices.
     """
     graphdef, state = nnx.split(self.layers)

@@ -200,8 +200,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   prompt_cache = constrain(prompt_cache, axes, mesh, rules)
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
-  # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels, benchmarks/
-  # decode_kernels.py; a quarter of its kernel time on an H200, benchmarks/decode_profile.py).
+  # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels,
+  # benchmarks/accelerator/decode_kernels.py; a quarter of its kernel time on an H200,
+  # benchmarks/accelerator/decode_profile.py).
   # GPUs slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse
   # the slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
@@ -257,7 +258,7 @@ sample_loop = jax.jit(_sample_loop, static_argnames=_STATIC)
 # XLA:CPU spends most of a sampler's compile time in LLVM, on the elementwise kernels around the
 # matrix products (library kernels, compiled already). LLVM at -O2 instead of XLA's -O3 compiles
 # the peers' small model's sampler in 1.9 s instead of 2.2 s (large: 2.3 instead of 2.6 s), and
-# it runs as fast (`python benchmarks/sampler_compile.py [--model large]`). A level set in
+# it runs as fast (`python benchmarks/speed/sampler_compile.py [--model large]`). A level set in
 # XLA_FLAGS wins (the test suite compiles at -O0: tests/conftest.py).
 CPU_COMPILER_OPTIONS = ({} if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
                         else {"xla_backend_optimization_level": 2})
@@ -282,7 +283,7 @@ def decode_state(model, mesh: Mesh | None) -> nnx.State:
   parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
   (:data:`~rft_jax.parallel.TP_RULES`). Laid out as the learner keeps them, FSDP over ``data``,
   the loop gathers every layer's weights over ``data`` at every step (Qwen2.5-0.5B on
-  v5p:2x2x1, ``python benchmarks/decode_kernels.py --topology v5p:2x2x1 --data 4``: 169
+  v5p:2x2x1, ``python benchmarks/accelerator/decode_kernels.py --topology v5p:2x2x1 --data 4``: 169
   all-gathers and 25 all-to-alls a step); gathered here, once per call, it runs none, holding a
   copy of the weights replicated over ``data`` (``rft-jax plan`` of Qwen2.5-7B GRPO on
   v5p:2x2x1: the sampler's temporaries 47.3 GiB per chip, 55.6 before)."""

@@ -45,7 +45,7 @@ class SamplingParams:
       one segment: 14% less decode time on a 4-layer model (first call 4.9 s against 4.0 s),
       8% less on an 8-layer one at vocabulary 32,768 (8.2 s against 7.7 s); four segments of
       16-128 saved more on the first (22%) but less on the second (4%), at 5.6 and 12.1 s
-      (``python benchmarks/sampler.py --segments 1 2 4 [--hidden 512 --layers 8 --vocab
+      (``python benchmarks/speed/sampler.py --segments 1 2 4 [--hidden 512 --layers 8 --vocab
       32768]``).
     max_rollouts_per_call: the most rows (prompts x ``n``, dummy padding rows included) one
       compiled call decodes at once, i.e. what bounds its KV cache; ``generate`` runs larger

@@ -9,7 +9,7 @@ every compiled program that took longer than ``jax_persistent_cache_min_compile_
 the JAX version, and load it in a later process instead of compiling it again: a resumed run, or
 a rerun with the same shapes, starts stepping at once. On the peers' small model the sampler's
 first call takes 1.24 s from the cache against 3.01 s compiling
-(``python benchmarks/first_call.py``).
+(``python benchmarks/peers/first_call.py``).
 
 JAX opens its cache once per process, in the directory set at that time;
 :func:`persistent_compilation_cache` reopens it in the run's directory and restores the

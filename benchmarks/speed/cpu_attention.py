@@ -1,0 +1,83 @@
+"""One layer's decode attention on CPU: the compiled kernel (``rft_jax.models.cpu_attention``)
+against ``feature_major.attend`` (XLA), on the peers' large model's attention shapes.
+
+A cache of ``--slots`` slots per row (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, float32)
+holds left-padded prompts of 16-48 tokens in its first 48 slots and ``--live`` generated
+tokens after them; each contender attends one query per row over it, ``--layers`` separate
+caches per call (so that, as in a decode step, they are not all in the CPU's caches; each
+layer's query takes the last one's output, so that XLA runs them one after another as in a
+step), and the two alternate round by round. The table gives milliseconds per layer (median, min) and the
+bandwidth over the bytes of the live slots (what the kernel reads; XLA reads every slot).
+
+    python benchmarks/speed/cpu_attention.py [--rows 32] [--slots 176] [--live 64] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rft_jax.models import cpu_attention, feature_major
+
+KV_HEADS, GROUP, HEAD_DIM, PROMPT = 4, 2, 64, 48  # learner_step.MODELS["large"]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rows", type=int, default=32)
+  parser.add_argument("--slots", type=int, default=176)
+  parser.add_argument("--live", type=int, default=64, help="generated tokens so far")
+  parser.add_argument("--layers", type=int, default=8)
+  parser.add_argument("--rounds", type=int, default=20)
+  args = parser.parse_args()
+  if not cpu_attention.available():
+    raise SystemExit("the kernel is not built here (the log above says why)")
+
+  rng = np.random.default_rng(0)
+  b, s = args.rows, args.slots
+  q = jnp.asarray(rng.standard_normal((b, KV_HEADS, GROUP, HEAD_DIM)), jnp.float32)
+  keys = [jnp.asarray(rng.standard_normal((b, KV_HEADS, HEAD_DIM, s)), jnp.float32)
+          for _ in range(args.layers)]
+  values = [jnp.asarray(rng.standard_normal((b, KV_HEADS, s, HEAD_DIM)), jnp.float32)
+            for _ in range(args.layers)]
+  lengths = rng.integers(16, PROMPT + 1, b)
+  slots = np.arange(s)[None]
+  mask = jnp.asarray(((slots >= PROMPT - lengths[:, None]) & (slots < PROMPT))
+                     | ((slots >= PROMPT) & (slots < PROMPT + args.live)))
+  live_bytes = 2 * KV_HEADS * HEAD_DIM * 4 * int(lengths.sum() + b * args.live)
+
+  def per_layer(attend):  # each layer's query depends on the last one's output, as in a step
+    def layers(q, ks, vs, m):
+      outs = []
+      for k, v in zip(ks, vs):
+        outs.append(attend(q, k, v, m))
+        q = q + 1e-3 * outs[-1]
+      return outs
+    return jax.jit(layers)
+
+  runs = {"XLA (feature_major.attend)": per_layer(feature_major.attend),
+          "kernel (cpu_attention.attend)": per_layer(cpu_attention.attend)}
+  outs = {name: jax.block_until_ready(run(q, keys, values, mask)) for name, run in runs.items()}
+  np.testing.assert_allclose(*outs.values(), rtol=2e-5, atol=2e-6)
+  times = {name: [] for name in runs}
+  for _ in range(args.rounds):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run(q, keys, values, mask))
+      times[name].append((time.perf_counter() - start) / args.layers * 1e3)
+  print(f"{b} rows, {s} slots, {args.live} generated, {args.layers} layers, "
+        f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  print("| attention | median ms / layer | min ms | GB/s of live slots |\n|---|---|---|---|")
+  for name, ts in times.items():
+    median = statistics.median(ts)
+    print(f"| {name} | {median:.3f} | {min(ts):.3f} | {live_bytes / median / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+  main()
