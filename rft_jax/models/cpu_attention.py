@@ -4,8 +4,8 @@ custom call): what :func:`rft_jax.models.feature_major.attend` computes, faster.
 XLA:CPU runs that step's attention as a few small fusions: the score sum over ``H`` on one
 thread, every cache slot read (live or not, up to the cache's length). On the peers' large model
 (32 rows, 176 slots, two cores) attention is about a quarter of a decode step
-(``python benchmarks/decode_layout.py``). The kernel reads each row's cache only from its first
-to its last live slot (a left-padded prompt's padding and the slots not yet written are
+(``python benchmarks/speed/decode_layout.py``). The kernel reads each row's cache only from its
+first to its last live slot (a left-padded prompt's padding and the slots not yet written are
 skipped, as a paged cache would), accumulates the scores along contiguous slots, and splits the
 rows over XLA's intra-op thread pool. Per (row, key head) pair, with ``s`` over the live
 slots::
@@ -17,14 +17,14 @@ slots::
 in float32, as ``attend`` does; only the summation order and ``exp`` (a polynomial good to about
 2e-7) differ (``tests/test_cpu_attention.py`` compares them). On that model the decode step's
 attention takes 7.0 ms of 39.5 where ``attend`` takes 12.0 of 44.5 (``python
-benchmarks/decode_layout.py --rounds 5``, medians, 2026-11-27: 64 steps after 48 prompt slots;
-``python benchmarks/cpu_attention.py`` times one layer's call).
+benchmarks/speed/decode_layout.py --rounds 5``, medians, 2026-11-27: 64 steps after 48 prompt slots;
+``python benchmarks/speed/cpu_attention.py`` times one layer's call).
 
 Its vectors are one register wide on the CPU it is built for (8 float lanes with AVX2, 16 with
 AVX-512). Written with 16-lane vectors throughout, it spilled them on an AVX2 machine (the AMD
 EPYC of 2026-11-26): the large model's layer took 2.0 ms against XLA's 1.5, and 0.7-1.1 ms with
-register-wide vectors (``python benchmarks/cpu_attention.py``, a loaded machine; the peers'
-small model's decode step at 64 rows: ``python benchmarks/cpu_decode_step.py``). Each lane's
+register-wide vectors (``python benchmarks/speed/cpu_attention.py``, a loaded machine; the peers'
+small model's decode step at 64 rows: ``python benchmarks/speed/cpu_decode_step.py``). Each lane's
 sums run in the same order at any width, and the softmax normaliser is summed by 16 lanes at
 any width, so its results do not depend on the register width.
 
