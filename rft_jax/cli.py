@@ -183,7 +183,7 @@ def _attribute(args: argparse.Namespace) -> int:
     raise ConfigError(str(exc)) from None
   model, tokenizer, problems, sampling = _sampling_inputs(args)
   cfg = sampling.pop("config")
-  lr = args.lr if args.lr is not None else (cfg.learner.lr if cfg else 1e-6)
+  lr = args.lr if args.lr is not None else (cfg.learner.optim.lr if cfg else 1e-6)
   has_mask = cfg and configured_class(cfg.learner.entropy_mask, removes_tokens=True).chooses_tokens
   mask = cfg.learner.entropy_mask if has_mask else EntropyMaskConfig(kind="clip_b")
   if mask.target_entropy is not None:  # the page marks a fixed cut
@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start a new run, deleting RUN_DIR's checkpoints, metrics and TensorBoard events")
   train.add_argument("--allow-config-change", action="store_true",
                      help="resume although the config differs from RUN_DIR/config.yaml in what the run computes")
-  train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-6")
+  train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.optim.lr=1e-6")
   train.set_defaults(func=_train)
 
   demo = sub.add_parser("demo", help="GRPO vs Clip_B vs Clip_V (or other methods: variants=...) on the "
@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "process (one run keeps about one core busy)")
   figures.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
                                                               "read against the repository root")
-  figures.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. learner.lr=1e-4")
+  figures.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. learner.optim.lr=1e-4")
   figures.set_defaults(func=_figures)
 
   export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "forecast entropy change, and the forecasts by token class")
   sampling_args(attr, 4, 1.0)
   attr.add_argument("--problems", type=int, default=8, help="the first this many questions of --data")
-  attr.add_argument("--lr", type=float, help="the step size of the forecast (default: the run's learner.lr)")
+  attr.add_argument("--lr", type=float, help="the step size of the forecast (default: the run's learner.optim.lr)")
   attr.add_argument("--token-classes", metavar="MODULE:FUNCTION",
                     help="token classes, e.g. rft_jax.demo.task:token_class (default: digit / separator / other)")
   attr.add_argument("--out", default="attribution.html", help="the HTML page to write")

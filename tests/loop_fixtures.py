@@ -24,7 +24,7 @@ def overrides(setup, run_dir, steps, *extra):
   root, model_dir, data = setup
   return [f"run_dir={run_dir}", f"steps={steps}", f"model.path={model_dir}", f"data.train_path={data}",
           "data.val_size=2", "data.prompts_per_step=2", "data.max_prompt_len=64", "sampling.n=4",
-          "sampling.max_new_tokens=6", "learner.micro_batch_size=4", "learner.lr=1e-3",
+          "sampling.max_new_tokens=6", "learner.micro_batch_size=4", "learner.optim.lr=1e-3",
           "learner.forecast_every=2", "rewards.num_workers=1", "mesh.data=4", "mesh.model=2",
           "eval.every=3", "eval.val_k=2", "progress=false", *extra]
 

@@ -47,8 +47,8 @@ def test_yaml_that_is_not_utf8_a_mapping_or_a_file(tmp_path):
 
 
 def test_override_that_is_not_yaml_names_the_override():
-  with pytest.raises(ConfigError, match=r"override 'learner\.lr=\[1': the value is not valid YAML"):
-    load_config(None, REQUIRED + ["learner.lr=[1"])
+  with pytest.raises(ConfigError, match=r"override 'learner\.optim\.lr=\[1': the value is not valid YAML"):
+    load_config(None, REQUIRED + ["learner.optim.lr=[1"])
 
 
 def test_checks_of_the_yaml_values_name_the_file(tmp_path):

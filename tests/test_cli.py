@@ -37,7 +37,7 @@ def test_print_config_prints_the_effective_config_and_leaves_the_run_dir_alone(t
   import yaml
 
   monkeypatch.chdir(tmp_path)
-  assert cli.main(["train", "--print-config", "learner.lr=3e-6", "model.path=m"]) == 0
+  assert cli.main(["train", "--print-config", "learner.optim.lr=3e-6", "model.path=m"]) == 0
   printed = yaml.safe_load(capsys.readouterr().out)
   assert printed["learner"]["lr"] == 3e-6 and printed["sampling"]["n"] == 16  # defaults filled in
   assert printed["model"]["path"] == str(tmp_path / "m")  # paths absolute
@@ -68,7 +68,7 @@ def test_train_help_lists_the_config_keys_with_their_defaults(capsys):
     cli.main(["train", "--help"])
   assert exc.value.code == 0
   out = capsys.readouterr().out
-  for line in ("learner.lr = 1e-06", "learner.entropy_mask.kind = 'none'", "rewards.scheme = 'binary'",
+  for line in ("learner.optim.lr = 1e-06", "learner.entropy_mask.kind = 'none'", "rewards.scheme = 'binary'",
                "sampling.n = 16", "model.path = ''", "eval.sets[i].k = 8", "mesh.data = -1",
                "data.system_prompt = null", "progress = true", "--print-config", "--dry-run"):
     assert line in out, line

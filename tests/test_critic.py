@@ -14,7 +14,7 @@ from rft_jax.parallel import make_mesh, shard_model
 from rft_jax.rl.critic import Critic, CriticConfig, ValueModel
 from rft_jax.rl.gae import clipped_value_loss, gae_advantages, outcome_token_rewards
 from rft_jax.rl.losses import aggregate_loss, loss_normaliser
-from test_learner import tiny_model
+from test_learner import nested_optim, tiny_model
 
 B, PROMPT, COMPLETION = 16, 4, 8
 HUGE, TINY = 1e6, 1e-4  # value clip ranges: never / almost always active
@@ -50,7 +50,7 @@ def make_critic(mesh=None, head_stddev=0.3, **kw):
     value_model = shard_model(value_model, mesh)
   key = (None if mesh is None else tuple(mesh.shape.items()), tuple(sorted(config.items())))
   if key not in _critics:
-    _critics[key] = Critic(value_model, CriticConfig(**config), mesh=mesh)
+    _critics[key] = Critic(value_model, CriticConfig(**nested_optim(dict(config), CriticConfig().optim)), mesh=mesh)
   return _critics[key], _critics[key].init(value_model)
 
 
@@ -221,13 +221,13 @@ def test_sharded_step_equals_single_device(rollouts):
 
 @pytest.mark.parametrize("key,value,message", [
     ("loss_agg", "token_mean", r"critic.loss_agg='token_mean' is not one of"),
-    ("lr", float("nan"), r"critic.lr must be a finite number"),
+    ("lr", float("nan"), r"critic.optim.lr must be a finite number"),
     ("cliprange_value", 0.0, r"critic.cliprange_value must be > 0"),
-    ("b2", 1.0, r"critic.b2 must be in \[0, 1\), got 1.0"),
+    ("b2", 1.0, r"critic.optim.b2 must be in \[0, 1\), got 1.0"),
 ])
 def test_config_rejects_bad_values(key, value, message):
   with pytest.raises(ValueError, match=message):
-    CriticConfig(**{key: value})
+    CriticConfig(**nested_optim({key: value}))
 
 
 def test_batch_that_does_not_split_into_micro_batches_is_named(rollouts):

@@ -292,8 +292,8 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_and_are_never_saved(setup
   from safetensors.numpy import load_file, save_file
 
   root, model_dir, data = setup
-  assert cli.main(args(setup, tmp_path / "lr", 1, "learner.lr=1e39")) == 2
-  assert "learner.lr" in capsys.readouterr().err
+  assert cli.main(args(setup, tmp_path / "lr", 1, "learner.optim.lr=1e39")) == 2
+  assert "learner.optim.lr" in capsys.readouterr().err
 
   nan_model = tmp_path / "nan_model"
   nan_model.mkdir()

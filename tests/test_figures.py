@@ -169,7 +169,7 @@ def test_a_finished_run_is_reused_only_with_the_same_config(tmp_path):
     f.write(to_yaml(cfg))
   assert finished(cfg)
   assert not finished(run_config(run, dataclasses.replace(QUICK, steps=20), out, *paths))
-  assert not finished(run_config(run, QUICK, out, *paths, overrides=["learner.lr=1e-4"]))
+  assert not finished(run_config(run, QUICK, out, *paths, overrides=["learner.optim.lr=1e-4"]))
   assert not finished(run_config(run, QUICK, out, paths[0], str(tmp_path / "other.jsonl")))
   with open(tmp_path / "runs" / "runs.json", "w") as f:
     json.dump({run.name: {"seconds": 12.5}}, f)

@@ -1,5 +1,7 @@
 """The GRPO train step on a tiny random Qwen: exactness, masks, sharding, learning."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from rft_jax.parallel import make_mesh, shard_model
 from rft_jax.rl.batching import first_response_column
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.rl.optimizer import OptimizerConfig
 
 VOCAB, PROMPT, COMPLETION = 64, 4, 8
 
@@ -51,10 +54,17 @@ def synthetic_batch(model, b=16, seed=0):
                       advantages=adv, sampler_logp=sampler_logp), reward
 
 
+def nested_optim(kw: dict, default: OptimizerConfig | None = None) -> dict:
+  """``kw`` with its optimizer fields (``lr``, ``adam_eps``, ...) moved into ``optim``, over
+  ``default`` (an :class:`OptimizerConfig`; its defaults by default)."""
+  optim = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(OptimizerConfig)}}
+  return {**kw, "optim": dataclasses.replace(default or OptimizerConfig(), **optim)} if optim else kw
+
+
 def config(**kw):
   base = dict(lr=3e-3, micro_batch_size=4, max_grad_norm=1.0, forecast_every=1)
   base.update(kw)
-  return LearnerConfig(**base)
+  return LearnerConfig(**nested_optim(base))
 
 
 def test_on_policy_first_step_ratio_is_exactly_one():
@@ -229,12 +239,13 @@ def test_bad_batch_and_config_are_named():
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("lr", 1e39, r"learner.lr must be a finite number in \(0, 1\], got 1e\+39"),
-    ("lr", float("nan"), r"learner.lr must be a finite number in \(0, 1\], got nan"),
-    ("lr", 0.0, r"learner.lr must be a finite number in \(0, 1\], got 0.0"),
-    ("lr", 2.0, r"learner.lr must be a finite number in \(0, 1\], got 2.0"),
+    ("lr", 1e39, r"learner.optim.lr must be a finite number in \(0, 1\], got 1e\+39"),
+    ("lr", float("nan"), r"learner.optim.lr must be a finite number in \(0, 1\], got nan"),
+    ("lr", 0.0, r"learner.optim.lr must be a finite number in \(0, 1\], got 0.0"),
+    ("lr", 2.0, r"learner.optim.lr must be a finite number in \(0, 1\], got 2.0"),
     ("kl_coef", float("inf"), r"learner.kl_coef must be a finite number, got inf"),
-    ("adam_eps", float("nan"), r"learner.adam_eps must be a finite number, got nan"),
+    ("adam_eps", float("nan"), r"learner.optim.adam_eps must be a finite number, got nan"),
+    ("b1", 1.5, r"learner.optim.b1 must be in \[0, 1\), got 1.5"),  # was accepted: critic's check only
     ("ref_dtype", "float16", r"learner.ref_dtype='float16' is not one of"),
 ])
 def test_config_rejects_non_finite_and_absurd_values(key, value, message):
@@ -276,7 +287,7 @@ def test_non_finite_step_is_skipped(tiny, fault, micro):
   model, batch = fresh_model(tiny), tiny[2]
   cfg = config(micro_batch_size=micro, forecast_every=0)
   if fault == "lr":
-    object.__setattr__(cfg, "lr", 1e39)
+    object.__setattr__(cfg.optim, "lr", 1e39)
   else:
     weight = model.layers.mlp.up_proj  # [layers, hidden, intermediate]
     weight[...] = weight[...].at[0, 3, 5].set(jnp.nan)

@@ -13,6 +13,7 @@ from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.losses import AGGREGATIONS, aggregate_loss, aggregation_weights, loss_normaliser
 from rft_jax.rl.token_batches import gather_tokens, packed_rows, row_spans, scatter_tokens, token_plan
+from test_learner import nested_optim
 
 VOCAB, PROMPT, COMPLETION, ROWS = 64, 8, 40, 32
 
@@ -50,7 +51,7 @@ def config(**kw):
   # updated parameters mean equal gradients (with a small epsilon it is lr * sign(g)).
   base = dict(lr=0.1, adam_eps=1.0, micro_batch_size=8, max_grad_norm=None, forecast_every=0)
   base.update(kw)
-  return LearnerConfig(**base)
+  return LearnerConfig(**nested_optim(base))
 
 
 def run_step(cfg, batch, mesh=None):
@@ -61,7 +62,7 @@ def run_step(cfg, batch, mesh=None):
     model = shard_model(model, mesh)
   learner = Learner(model, cfg, mesh=mesh)
   state, metrics, rows = learner.step(learner.init(model), batch, rows=True)
-  moves = [(np.asarray(b) - a) / cfg.lr for a, b in zip(start, jax.tree.leaves(state.params))]
+  moves = [(np.asarray(b) - a) / cfg.optim.lr for a, b in zip(start, jax.tree.leaves(state.params))]
   return metrics, rows, moves
 
 

@@ -26,7 +26,7 @@ def ppo(setup, run_dir, steps):
   return load_config(None, overrides(setup, run_dir, steps, "learner.advantage=gae", "eval.every=0",
                                      "rewards.functions=[reward_fixtures:odd_length]",
                                      "learner.forecast_every=0", "log_rollouts_every=1",
-                                     "critic.micro_batch_size=4", "critic.lr=1e-3", "mesh.data=2",
+                                     "critic.micro_batch_size=4", "critic.optim.lr=1e-3", "mesh.data=2",
                                      "mesh.model=1", "learner.entropy_mask.kind=clip_b",
                                      "learner.entropy_mask.mu_low=0.5"))
 

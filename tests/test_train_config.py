@@ -1,6 +1,7 @@
 """The config tree: YAML + dotted overrides into dataclasses, with errors naming the key."""
 
 import glob
+import logging
 import os
 
 import pytest
@@ -20,7 +21,7 @@ def test_yaml_and_overrides_merge_into_dataclasses(tmp_path):
   path = write(tmp_path, "steps: 7\nlearner:\n  lr: 2.0e-6\n  entropy_mask:\n    kind: clip_b\n")
   cfg = load_config(path, REQUIRED + ["sampling.n=4", "learner.micro_batch_size=4"])
   assert isinstance(cfg, TrainConfig)
-  assert cfg.steps == 7 and cfg.learner.lr == 2e-6 and cfg.sampling.n == 4
+  assert cfg.steps == 7 and cfg.learner.optim.lr == 2e-6 and cfg.sampling.n == 4
   assert cfg.learner.entropy_mask.kind == "clip_b" and cfg.learner.entropy_mask.resolved_mu_low == 2.5
   assert cfg.learner.temperature == cfg.sampling.temperature  # derived, one source of truth
   assert cfg.learner.max_len == cfg.sampling.max_new_tokens
@@ -31,7 +32,7 @@ def test_yaml_and_overrides_merge_into_dataclasses(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("learner.lrr=1", "lrr"),
-    ("learner.lr=fast", "learner.lr"),
+    ("learner.optim.lr=fast", "learner.optim.lr"),
     ("sampling.n=1", "sampling.n=1"),
     ("learner.micro_batch_size=7", "do not split"),
     ("learner.temperature=0.5", "learner.temperature=0.5 differs from sampling.temperature"),
@@ -58,7 +59,7 @@ def test_errors_name_where_the_bad_value_came_from(tmp_path):
   """A value given on the command line is reported as the command line's (its override named),
   one in the YAML file as the file's, whatever else the other holds."""
   path = write(tmp_path, "steps: 3\nlearner:\n  lr: 2.0e-6\n")
-  for overrides, source in ((["learner.lr=1e39"], "the command line (learner.lr=1e39): learner.lr must be"),
+  for overrides, source in ((["learner.optim.lr=1e39"], "the command line (learner.optim.lr=1e39): learner.optim.lr must be"),
                             (["steps=0"], "the command line (steps=0): steps must be > 0"),
                             (["sampling.n=x"], "the command line (sampling.n=x): Value 'x'"),
                             (["learner.micro_batch_size=7"], "the command line (learner.micro_batch_size=7): "
@@ -68,9 +69,9 @@ def test_errors_name_where_the_bad_value_came_from(tmp_path):
     assert str(raised.value).startswith(source) and "c.yaml" not in str(raised.value), raised.value
   bad = write(tmp_path, "steps: 3\nlearner:\n  lr: 1.0e39\n")
   for overrides in ([], ["steps=2"]):  # an unrelated override does not take the blame
-    with pytest.raises(ConfigError, match=rf"^{bad}: learner.lr must be a finite number in \(0, 1\], got 1e\+39$"):
+    with pytest.raises(ConfigError, match=rf"^{bad}: learner.optim.lr must be a finite number in \(0, 1\], got 1e\+39$"):
       load_config(bad, REQUIRED + overrides)
-  assert load_config(bad, REQUIRED + ["learner.lr=1e-3"]).learner.lr == 1e-3  # the command line wins
+  assert load_config(bad, REQUIRED + ["learner.optim.lr=1e-3"]).learner.optim.lr == 1e-3  # the command line wins
   typo = write(tmp_path, "sampling:\n  n: x\n")
   with pytest.raises(ConfigError, match=rf"^{typo}: Value 'x'"):
     load_config(typo, REQUIRED + ["steps=2"])
@@ -80,7 +81,7 @@ def test_errors_name_where_the_bad_value_came_from(tmp_path):
                          ids=os.path.basename)
 def test_shipped_configs_load_once_paths_are_set(path):
   cfg = load_config(path, REQUIRED)
-  assert cfg.data.prompts_per_step == 64 and cfg.learner.lr == 4e-7
+  assert cfg.data.prompts_per_step == 64 and cfg.learner.optim.lr == 4e-7
   assert cfg.sampling.temperature == 1.0 and cfg.eval.temperature == 0.7
   assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)
   name = os.path.basename(path)[:-len(".yaml")].split("b_", 1)[1]  # qwen2_5_7b_kl_cov: kl_cov
@@ -101,3 +102,26 @@ def test_demo_config_loads_and_its_batches_split_on_eight_devices():
   assert os.path.isabs(cfg.model.path)  # resolved against the current directory when loaded
   assert (cfg.data.prompts_per_step * cfg.sampling.n) % (cfg.learner.micro_batch_size * cfg.learner.mini_batches) == 0
   assert cfg.learner.micro_batch_size % 8 == 0
+
+
+def test_optimizer_settings_live_under_optim_and_old_flat_keys_still_load(tmp_path, caplog):
+  """``learner.optim`` and ``critic.optim`` are one ``OptimizerConfig``; a config or run directory
+  written with the old flat keys (``learner.lr``) loads, with one notice per source."""
+  old = write(tmp_path, "steps: 5\nlearner:\n  lr: 2.0e-6\n  b1: 0.8\n  mini_batches: 2\n"
+                        "critic:\n  weight_decay: 0.1\n")
+  with caplog.at_level(logging.WARNING, logger="rft_jax.train.renamed_keys"):
+    cfg = load_config(old, REQUIRED + ["learner.adam_eps=1e-6"])
+  assert (cfg.learner.optim.lr, cfg.learner.optim.b1, cfg.learner.optim.adam_eps) == (2e-6, 0.8, 1e-6)
+  assert (cfg.critic.optim.weight_decay, cfg.critic.optim.lr) == (0.1, 1e-5)  # the critic's own defaults
+  assert [r.getMessage() for r in caplog.records] == [
+      "the command line: learner.adam_eps is deprecated: use learner.optim.adam_eps",
+      f"{old}: learner.lr, learner.b1, critic.weight_decay are deprecated: use learner.optim.lr, "
+      "learner.optim.b1, critic.optim.weight_decay"]
+  # total_steps: the run's optimizer updates unless set (the cosine decay's horizon).
+  assert (cfg.learner.optim.total_steps, cfg.critic.optim.total_steps) == (5 * 2, 5)
+  assert load_config(old, REQUIRED + ["learner.optim.total_steps=3"]).learner.optim.total_steps == 3
+  # One check for both optimizers (critic.b1=1.5 was refused while learner.b1=1.5 was accepted).
+  for override in ("learner.optim.b1=1.5", "critic.optim.b1=1.5", "learner.b1=1.5", "critic.b1=1.5"):
+    section = override.split(".")[0]
+    with pytest.raises(ConfigError, match=rf"{section}.optim.b1 must be in \[0, 1\), got 1.5"):
+      load_config(None, REQUIRED + [override])

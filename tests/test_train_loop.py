@@ -237,7 +237,7 @@ def test_a_run_with_a_kl_penalty_logs_kl_from_zero(setup, tmp_path):
   """kl_coef > 0: the learner's reference is the starting policy (or model.ref_path): KL is 0
   on the first, on-policy step and grows as the policy moves."""
   cfg = load_config(None, overrides(setup, tmp_path / "kl", 3, "eval.every=0", "learner.kl_coef=0.1",
-                                    "learner.lr=3e-2", "learner.ref_dtype=bfloat16"))
+                                    "learner.optim.lr=3e-2", "learner.ref_dtype=bfloat16"))
   train(cfg)
   kl = [r["actor/kl"] for r in read_metrics(str(tmp_path / "kl"))]
   assert abs(kl[0]) < 1e-3 and kl[-1] > 1e-3, kl

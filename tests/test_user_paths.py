@@ -28,7 +28,7 @@ def test_relative_paths_are_resolved_against_the_current_directory(tmp_path, mon
   work = tmp_path / "work"
   work.mkdir()
   monkeypatch.chdir(work)
-  cfg = load_config(os.path.join("..", "configs", "c.yaml"), ["learner.lr=2e-6", "model.critic_path=critic"])
+  cfg = load_config(os.path.join("..", "configs", "c.yaml"), ["learner.optim.lr=2e-6", "model.critic_path=critic"])
   written = yaml.safe_load(to_yaml(cfg))  # what RUN_DIR/config.yaml holds
   assert written["run_dir"] == str(work / "runs" / "a")
   assert written["compilation_cache_dir"] == str(work / "cache")

@@ -41,6 +41,7 @@ from speed.sampler import median_seconds  # noqa: E402
 from rft_jax.models import Qwen, QwenConfig  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner  # noqa: E402
+from rft_jax.rl.optimizer import OptimizerConfig  # noqa: E402
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
@@ -86,7 +87,7 @@ def main() -> None:
     flops = model_flops(config, args.rows, length)
     for micro in args.micro:
       model = Qwen(config, rngs=nnx.Rngs(0))
-      learner = Learner(model, LearnerConfig(lr=1e-6, micro_batch_size=micro, forecast_every=0))
+      learner = Learner(model, LearnerConfig(optim=OptimizerConfig(lr=1e-6), micro_batch_size=micro, forecast_every=0))
       state = learner.init(model)
       del model
       start = time.perf_counter()

@@ -4,8 +4,8 @@ Samples one demo batch (16 prompts x 8 completions) from the shipped checkpoint,
 learner step, and prints the mean change of the completions' log-likelihood for A > 0, A < 0
 and A = 0, and its correlation with A. Any config override is accepted:
 
-    python benchmarks/analysis/demo_step_direction.py learner.lr=3e-4
-    python benchmarks/analysis/demo_step_direction.py learner.lr=3e-5
+    python benchmarks/analysis/demo_step_direction.py learner.optim.lr=3e-4
+    python benchmarks/analysis/demo_step_direction.py learner.optim.lr=3e-5
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main(overrides: list[str]) -> None:
     state, _ = run.learner.step(state, batch)
     change = sequence_logp(state) - before
   live = adv != 0
-  print(f"lr {cfg.learner.lr:g}: reward mean {rewards.mean():.3f}, {live.sum()} of {len(adv)} "
+  print(f"lr {cfg.learner.optim.lr:g}: reward mean {rewards.mean():.3f}, {live.sum()} of {len(adv)} "
         f"completions with A != 0")
   print(f"mean change of sequence log-likelihood: A > 0 {change[adv > 0].mean():+.3f}, "
         f"A < 0 {change[adv < 0].mean():+.3f}, A = 0 {change[~live].mean():+.3f} nats; "

@@ -48,6 +48,7 @@ from speed.learner_step import MODELS, build  # noqa: E402
 
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner, LearnerBatch  # noqa: E402
+from rft_jax.rl.optimizer import OptimizerConfig  # noqa: E402
 
 SHAPES = {"a": dict(rows=128, max_completion=1024), "b": dict(rows=512, max_completion=512)}
 PROMPT = (16, 48)
@@ -112,7 +113,7 @@ def learner_longtail_rows(model: str, shape: str = "a", *, micro: int = 8, repea
   rows, width = batch.input_ids.shape
   # lr 1 and Adam's epsilon 1: the first move is about the (clipped) gradient itself, large
   # enough that float32 rounding of the updated parameters does not hide its differences.
-  base = dict(lr=1.0, adam_eps=1.0, micro_batch_size=micro, forecast_every=0,
+  base = dict(optim=OptimizerConfig(lr=1.0, adam_eps=1.0), micro_batch_size=micro, forecast_every=0,
               entropy_mask=EntropyMaskConfig(kind=mask))
   configs = {"rows": LearnerConfig(**base),
              "tokens": LearnerConfig(**base, micro_batch_tokens=micro * width)}

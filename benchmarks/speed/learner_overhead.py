@@ -24,6 +24,7 @@ from flax import nnx
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.rl.optimizer import OptimizerConfig
 
 
 def build(seed: int, vocab: int) -> Qwen:
@@ -69,7 +70,7 @@ def main() -> None:
   times = {}
   for kind in ("none", "clip_b", "clip_v"):
     model = build(0, args.vocab)
-    learner = Learner(model, LearnerConfig(lr=args.lr, micro_batch_size=8,
+    learner = Learner(model, LearnerConfig(optim=OptimizerConfig(lr=args.lr), micro_batch_size=8,
                                            entropy_mask=EntropyMaskConfig(kind=kind)))
     state = learner.init(model)
     state, _ = learner.step(state, batch)  # compile
@@ -85,7 +86,7 @@ def main() -> None:
     print(f"{kind} overhead over plain GRPO: {100 * (times[kind] / times['none'] - 1):+.2f}%")
 
   model = build(1, args.vocab)
-  learner = Learner(model, LearnerConfig(lr=args.lr, micro_batch_size=8, forecast_every=1))
+  learner = Learner(model, LearnerConfig(optim=OptimizerConfig(lr=args.lr), micro_batch_size=8, forecast_every=1))
   state = learner.init(model)
   forecast, measured = [], []
   for step in range(args.steps * 2):

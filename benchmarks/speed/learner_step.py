@@ -27,6 +27,7 @@ from flax import nnx
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.rl.optimizer import OptimizerConfig
 
 MODELS = {
     "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -68,7 +69,7 @@ def synthetic_batch(vocab: int, rows: int = 32, prompt: int = 64, completion: in
 def time_step(name: str, batch: LearnerBatch, micro: int, mask: str, repeats: int) -> list[float]:
   """Seconds per step of ``repeats`` steps, after one compiling and one warm-up step."""
   model = build(name)
-  learner = Learner(model, LearnerConfig(lr=1e-5, micro_batch_size=micro, forecast_every=0,
+  learner = Learner(model, LearnerConfig(optim=OptimizerConfig(lr=1e-5), micro_batch_size=micro, forecast_every=0,
                                          entropy_mask=EntropyMaskConfig(kind=mask)))
   state = learner.init(model)
   for _ in range(2):  # compile, warm up

@@ -29,7 +29,7 @@ from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.plots import forecast_correlation, plot_runs
 from rft_jax.train.preflight import validate_for_training
 
-_PPO = ["learner.advantage=gae", "critic.lr=5e-5", "critic.micro_batch_size=16"]
+_PPO = ["learner.advantage=gae", "critic.optim.lr=5e-5", "critic.micro_batch_size=16"]
 VARIANTS = {
     "grpo": ["learner.entropy_mask.kind=none"],
     # The released cuts (Clip_B mu- = 2.5, Clip_V mu- = 8.5, negative samples only). Clip_V's

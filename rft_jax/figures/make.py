@@ -122,7 +122,7 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
         model, tokenizer, problems, prompt_fn=lambda q, cfg=cfg: prompt_ids(tokenizer, cfg.data, q), k=4,
         temperature=cfg.sampling.temperature, max_new_tokens=cfg.sampling.max_new_tokens,
         stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id),
-        rewards=reward_config(cfg, [p.question for p in problems]), lr=cfg.learner.lr,
+        rewards=reward_config(cfg, [p.question for p in problems]), lr=cfg.learner.optim.lr,
         mask=EntropyMaskConfig(kind="clip_b"), seed=0, token_class=token_class)
     sections.append((title, completions))
   with open(os.path.join(out_dir, "attribution.html"), "w") as f:

@@ -7,36 +7,19 @@ overrides are merged into these dataclasses, so a typo or a wrong type is an err
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 from rft_jax.entropy.clipping import CLIP_V_MAX_FRAC, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
 from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
+from rft_jax.rl.checks import choice, finite_numbers, positive
 from rft_jax.rl.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
 from rft_jax.rl.forking_tokens import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from rft_jax.rl.optimizer import OptimizerConfig, optimizer_config
 from rft_jax.rl.token_methods import configured_class, method_class
-SCHEDULES = ("constant", "warmup_cosine")
+
 REF_DTYPES = (None, *DTYPES)
-
-
-def _choice(field: str, value, choices) -> None:
-  if value not in choices:
-    raise ValueError(f"{field}={value!r} is not one of {sorted(choices, key=str)}")
-
-
-def _finite_numbers(prefix: str, config) -> None:
-  """Rejects NaN and infinite values of every numeric field (YAML accepts ``.nan`` and ``1e39``)."""
-  for f in dataclasses.fields(config):
-    value = getattr(config, f.name)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
-      raise ValueError(f"{prefix}.{f.name} must be a finite number, got {value!r}")
-
-
-def _positive(field: str, value, allow_zero: bool = False) -> None:
-  if value is None or value < 0 or (value == 0 and not allow_zero):
-    raise ValueError(f"{field} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -78,20 +61,20 @@ class EntropyMaskConfig:
   target_band: float = 0.1
 
   def __post_init__(self):
-    _finite_numbers("entropy_mask", self)
+    finite_numbers("entropy_mask", self)
     if self.target_entropy is not None:
-      _positive("entropy_mask.target_entropy", self.target_entropy)
-    _positive("entropy_mask.target_band", self.target_band)
+      positive("entropy_mask.target_entropy", self.target_entropy)
+    positive("entropy_mask.target_band", self.target_band)
     configured_class(self, removes_tokens=True).check(self)
-    _choice("entropy_mask.samples", self.samples, SAMPLES)
-    _choice("entropy_mask.sign", self.sign, ("positive", "negative"))
-    _choice("entropy_mask.action", self.action, ("keep", "drop", "only"))
-    _choice("entropy_mask.logp_source", self.logp_source, LOGP_SOURCES)
+    choice("entropy_mask.samples", self.samples, SAMPLES)
+    choice("entropy_mask.sign", self.sign, ("positive", "negative"))
+    choice("entropy_mask.action", self.action, ("keep", "drop", "only"))
+    choice("entropy_mask.logp_source", self.logp_source, LOGP_SOURCES)
     if self.max_frac is not None and not 0.0 <= self.max_frac <= 1.0:
       raise ValueError(f"entropy_mask.max_frac must be in [0, 1], got {self.max_frac!r}")
     for name in ("mu_low", "mu_high"):
       if getattr(self, name) is not None:
-        _positive(f"entropy_mask.{name}", getattr(self, name), allow_zero=True)
+        positive(f"entropy_mask.{name}", getattr(self, name), allow_zero=True)
 
   @property
   def resolved_mu_low(self) -> float | None:
@@ -127,13 +110,13 @@ class EntropyMethodConfig:
   forking_rho: float = FORKING_RHO
 
   def __post_init__(self):
-    _finite_numbers("entropy_method", self)
+    finite_numbers("entropy_method", self)
     configured_class(self, removes_tokens=False).check(self)
     for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_rho"):
       value = getattr(self, name)
       if not 0 < value <= 1:
         raise ValueError(f"entropy_method.{name} must be in (0, 1], got {value!r}")
-    _positive("entropy_method.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
+    positive("entropy_method.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
     if self.clip_cov_lb >= self.clip_cov_ub:
       raise ValueError(f"entropy_method.clip_cov_lb={self.clip_cov_lb} must be below "
                        f"clip_cov_ub={self.clip_cov_ub}")
@@ -161,11 +144,7 @@ class LearnerConfig:
     beta_rank: the unlikeliness reward's coefficient (He, Fried, Welleck 2025;
       ``rft_jax.rl.unlikeliness``): within each group, rewards of correct samples are scaled by
       ``1 - beta_rank * rank / n`` by likelihood under the sampling policy (0: off).
-    lr: learning rate eta, in (0, 1]; schedule ``constant`` or ``warmup_cosine``; warmup_steps;
-      total_steps (for the cosine decay); weight_decay; b1, b2: Adam betas; adam_eps: Adam's
-      epsilon (a larger one stops Adam from moving parameters whose gradients are only noise
-      by a full step of size lr).
-    max_grad_norm: global-norm gradient clipping (None: off).
+    optim: AdamW, its learning rate eta and schedule (``rft_jax.rl.optimizer.OptimizerConfig``).
     mini_batches: optimizer steps per batch of rollouts; ppo_epochs: passes.
     micro_batch_size: sequences per gradient-accumulation step (per mini-batch).
     micro_batch_tokens: micro-batches by tokens instead (``rft_jax.rl.token_batches``): each
@@ -196,15 +175,7 @@ class LearnerConfig:
   entropy_mask: EntropyMaskConfig = dataclasses.field(default_factory=EntropyMaskConfig)
   entropy_method: EntropyMethodConfig = dataclasses.field(default_factory=EntropyMethodConfig)
   beta_rank: float = 0.0
-  lr: float = 1e-6
-  schedule: str = "constant"
-  warmup_steps: int = 0
-  total_steps: int = 1000
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.999
-  adam_eps: float = 1e-8
-  max_grad_norm: Optional[float] = 1.0
+  optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   mini_batches: int = 1
   ppo_epochs: int = 1
   micro_batch_size: int = 8
@@ -218,20 +189,18 @@ class LearnerConfig:
       self.entropy_mask = EntropyMaskConfig(**self.entropy_mask)
     if isinstance(self.entropy_method, dict):
       self.entropy_method = EntropyMethodConfig(**self.entropy_method)
-    if not 0 < self.lr <= 1:  # also NaN; 1e39 (accepted before) turned every parameter to inf
-      raise ValueError(f"learner.lr must be a finite number in (0, 1], got {self.lr!r}")
-    _finite_numbers("learner", self)
-    _choice("learner.advantage", self.advantage, (*ADVANTAGE_ESTIMATORS, "gae"))
-    _choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
-    _choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-    _choice("learner.schedule", self.schedule, SCHEDULES)
-    _choice("learner.ref_dtype", self.ref_dtype, REF_DTYPES)
+    self.optim = optimizer_config(self.optim, "learner.optim")
+    finite_numbers("learner", self)
+    choice("learner.advantage", self.advantage, (*ADVANTAGE_ESTIMATORS, "gae"))
+    choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
+    choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    choice("learner.ref_dtype", self.ref_dtype, REF_DTYPES)
     if self.temperature is not None:
-      _positive("learner.temperature", self.temperature)
-    for name in ("lr", "mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size", "total_steps"):
-      _positive(f"learner.{name}", getattr(self, name))
-    for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "forecast_every"):
-      _positive(f"learner.{name}", getattr(self, name), allow_zero=True)
+      positive("learner.temperature", self.temperature)
+    for name in ("mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size"):
+      positive(f"learner.{name}", getattr(self, name))
+    for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "forecast_every"):
+      positive(f"learner.{name}", getattr(self, name), allow_zero=True)
     if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or
                                                 not isinstance(self.micro_batch_tokens, int) or
                                                 self.micro_batch_tokens <= 0):
@@ -244,8 +213,6 @@ class LearnerConfig:
                          "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
-    if self.max_grad_norm is not None:
-      _positive("learner.max_grad_norm", self.max_grad_norm)
 
   @property
   def sampling_temperature(self) -> float:

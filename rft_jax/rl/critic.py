@@ -40,11 +40,11 @@ from rft_jax.models import Qwen, QwenConfig
 from rft_jax.models.layers import param
 from rft_jax.parallel import global_array, host_array, with_shardings
 from rft_jax.rl.batching import merge_rows, split_rows
-from rft_jax.rl.config import SCHEDULES, _choice, _finite_numbers, _positive
+from rft_jax.rl.checks import choice, finite_numbers, positive
 from rft_jax.rl.gae import clipped_value_loss
 from rft_jax.rl.losses import AGGREGATIONS, aggregate_loss, loss_normaliser
 from rft_jax.rl.nonfinite import keep_if_finite
-from rft_jax.rl.optimizer import make_optimizer, optimizer_shardings
+from rft_jax.rl.optimizer import OptimizerConfig, make_optimizer, optimizer_config, optimizer_shardings
 
 
 class ValueModel(nnx.Module):
@@ -97,8 +97,8 @@ class CriticConfig:
   ``optim/fsdp.yaml`` (``betas`` [0.9, 0.999], ``lr_scheduler_type`` constant; torch AdamW eps 1e-8).
 
   Attributes:
-    lr, schedule (``constant`` / ``warmup_cosine``), warmup_steps, total_steps, weight_decay, b1,
-      b2, adam_eps, max_grad_norm (None: no clipping): AdamW as ``rft_jax.rl.optimizer``.
+    optim: AdamW and its schedule (``rft_jax.rl.optimizer.OptimizerConfig``; defaults lr 1e-5,
+      weight_decay 0.01, max_grad_norm 1.0).
     cliprange_value: c of the value clip :math:`V^{old} \pm c`.
     loss_agg: aggregation of the per-token loss (``rft_jax.rl.losses.AGGREGATIONS``); max_len:
       Dr.GRPO's constant length for ``seq-mean-token-sum-norm`` (None: ``L - 1``).
@@ -107,15 +107,7 @@ class CriticConfig:
       ``ppo_trainer.yaml`` ``algorithm.gamma`` / ``algorithm.lam``: 1.0, 1.0).
   """
 
-  lr: float = 1e-5
-  schedule: str = "constant"
-  warmup_steps: int = 0
-  total_steps: int = 1000
-  weight_decay: float = 0.01
-  b1: float = 0.9
-  b2: float = 0.999
-  adam_eps: float = 1e-8
-  max_grad_norm: Optional[float] = 1.0
+  optim: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(lr=1e-5, weight_decay=0.01))
   cliprange_value: float = 0.5
   loss_agg: str = "token-mean"
   max_len: Optional[int] = None
@@ -124,24 +116,16 @@ class CriticConfig:
   lam: float = 1.0
 
   def __post_init__(self):
-    _finite_numbers("critic", self)
-    if not 0 < self.lr <= 1:
-      raise ValueError(f"critic.lr must be a finite number in (0, 1], got {self.lr!r}")
-    _choice("critic.schedule", self.schedule, SCHEDULES)
-    _choice("critic.loss_agg", self.loss_agg, AGGREGATIONS)
-    for name in ("cliprange_value", "micro_batch_size", "total_steps", "adam_eps"):
-      _positive(f"critic.{name}", getattr(self, name))
-    for name in ("warmup_steps", "weight_decay"):
-      _positive(f"critic.{name}", getattr(self, name), allow_zero=True)
+    self.optim = optimizer_config(self.optim, "critic.optim")
+    finite_numbers("critic", self)
+    choice("critic.loss_agg", self.loss_agg, AGGREGATIONS)
+    for name in ("cliprange_value", "micro_batch_size"):
+      positive(f"critic.{name}", getattr(self, name))
     for name in ("gamma", "lam"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"critic.{name} must be in [0, 1], got {getattr(self, name)!r}")
-    for name in ("b1", "b2"):
-      if not 0 <= getattr(self, name) < 1:
-        raise ValueError(f"critic.{name} must be in [0, 1), got {getattr(self, name)!r}")
-    for name in ("max_grad_norm", "max_len"):
-      if getattr(self, name) is not None:
-        _positive(f"critic.{name}", getattr(self, name))
+    if self.max_len is not None:
+      positive("critic.max_len", self.max_len)
 
 
 @flax.struct.dataclass
@@ -181,7 +165,7 @@ class Critic:
                data_axis: str = "data"):
     self.config, self.mesh, self.data_axis = config, mesh, data_axis
     self.graphdef, _, self._rest = nnx.split(value_model, nnx.Param, ...)
-    self.optimizer, self.schedule = make_optimizer(config)
+    self.optimizer, self.schedule = make_optimizer(config.optim)
     self._compiled: dict[str, Any] = {}
 
   def init(self, value_model: ValueModel) -> CriticState:

@@ -146,7 +146,7 @@ class Learner:
     self.mesh = mesh
     self.data_axis = data_axis
     self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
-    self.optimizer, self.schedule = make_optimizer(config)
+    self.optimizer, self.schedule = make_optimizer(config.optim)
     self.entropy_mask = configured_method(config, removes_tokens=True)  # Clip_B, Clip_V, ...
     self.entropy_method = configured_method(config, removes_tokens=False)  # Clip-Cov, KL-Cov, ...
     self._reference_source = reference

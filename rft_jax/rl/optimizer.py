@@ -1,21 +1,81 @@
-"""The learner's (and the critic's) optimizer: AdamW with a learning-rate schedule and global-norm
+"""The optimizer of the learner and of the critic: one config (:class:`OptimizerConfig`, nested as
+``learner.optim`` and ``critic.optim``), AdamW with a learning-rate schedule and global-norm
 clipping (optax), and the layout of its state on a mesh."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rft_jax.rl.config import LearnerConfig
+from rft_jax.rl.checks import choice, finite_numbers, positive
+
+SCHEDULES = ("constant", "warmup_cosine")
 
 
-def make_optimizer(config: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+@dataclasses.dataclass
+class OptimizerConfig:
+  """AdamW with a learning-rate schedule (``learner.optim``, ``critic.optim``).
+
+  Attributes:
+    lr: learning rate eta, in (0, 1].
+    schedule: ``constant`` or ``warmup_cosine`` (linear warm-up from 0 over ``warmup_steps``, then
+      cosine decay to 0 at ``total_steps``).
+    warmup_steps: optimizer updates of the warm-up.
+    total_steps: optimizer updates of the cosine decay; None: in a run, the run's updates (``steps``
+      x the updates of a step: ``learner.mini_batches`` x ``learner.ppo_epochs`` for the policy, 1
+      for the critic).
+    weight_decay: AdamW's decoupled weight decay.
+    b1, b2: Adam's betas, in [0, 1).
+    adam_eps: Adam's epsilon (a larger one stops Adam from moving parameters whose gradients are
+      only noise by a full step of size lr).
+    max_grad_norm: global-norm gradient clipping (None: off).
+  """
+
+  lr: float = 1e-6
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  total_steps: Optional[int] = None
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  adam_eps: float = 1e-8
+  max_grad_norm: Optional[float] = 1.0
+
+  def check(self, prefix: str) -> None:
+    """Raises ``ValueError`` naming ``prefix.<field>`` for a value out of its range."""
+    if not 0 < self.lr <= 1:  # also NaN; 1e39 (accepted before) turned every parameter to inf
+      raise ValueError(f"{prefix}.lr must be a finite number in (0, 1], got {self.lr!r}")
+    finite_numbers(prefix, self)
+    choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+    positive(f"{prefix}.adam_eps", self.adam_eps)
+    for name in ("warmup_steps", "weight_decay"):
+      positive(f"{prefix}.{name}", getattr(self, name), allow_zero=True)
+    for name in ("total_steps", "max_grad_norm"):
+      if getattr(self, name) is not None:
+        positive(f"{prefix}.{name}", getattr(self, name))
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"{prefix}.{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+
+def optimizer_config(value, prefix: str) -> OptimizerConfig:
+  """``value`` (an :class:`OptimizerConfig` or a dict of its fields) checked as ``prefix``."""
+  optim = OptimizerConfig(**value) if isinstance(value, dict) else value
+  optim.check(prefix)
+  return optim
+
+
+def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW (betas b1, b2, epsilon, decoupled weight decay) with optional global-norm clipping."""
   if config.schedule == "constant":
     schedule = optax.constant_schedule(config.lr)
+  elif config.total_steps is None:
+    raise ValueError("optim.total_steps is needed for schedule warmup_cosine outside a run (a run sets "
+                     "it from its steps)")
   else:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.lr, max(config.warmup_steps, 1), max(config.total_steps, config.warmup_steps + 1))

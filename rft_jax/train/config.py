@@ -1,7 +1,7 @@
 """The run's one config tree: dataclasses as the schema, YAML + dotted CLI overrides merged
 by OmegaConf (structured configs), so an unknown key or a wrong type is an error naming it.
 
-    cfg = load_config("configs/demo.yaml", ["learner.lr=1e-6", "sampling.n=8"])
+    cfg = load_config("configs/demo.yaml", ["learner.optim.lr=1e-6", "sampling.n=8"])
 
 Cross-field checks (batch sizes that must divide, the sampling temperature the learner's
 statistics use) run when the config is loaded, not at step 1 on a GPU. Relative paths
@@ -28,6 +28,7 @@ from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
 from rft_jax.sampling.params import SCHEDULERS
+from rft_jax.train.renamed_keys import rename_keys, renamed_overrides
 
 
 class ConfigError(ValueError):
@@ -319,6 +320,10 @@ class TrainConfig:
           f"the distribution the rollouts were sampled from (leave learner.temperature unset)")
     if self.learner.max_len is None:
       self.learner.max_len = self.sampling.max_new_tokens
+    if self.learner.optim.total_steps is None:  # the run's optimizer updates
+      self.learner.optim.total_steps = self.steps * self.learner.mini_batches * self.learner.ppo_epochs
+    if self.critic.optim.total_steps is None:  # one critic update per step
+      self.critic.optim.total_steps = self.steps
     for name in ("steps", "keep_checkpoints", "max_nonfinite_steps"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -347,7 +352,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (), *,
   ``required`` settings are not empty and makes relative paths absolute (against the current
   directory, :func:`resolve_paths`)."""
   where = path or "the command line"
-  config = _merge(path, overrides, defaults, where)
+  config = _merge(path, renamed_overrides(overrides), defaults, where)
   for key in required:
     section, field = key.split(".")
     if not getattr(getattr(config, section), field):
@@ -451,7 +456,7 @@ def _load_yaml(path: str):
   if not OmegaConf.is_dict(loaded):
     raise ConfigError(f"{path}: the top level must be a mapping of settings (key: value), "
                       f"not a {type(OmegaConf.to_container(loaded)).__name__}")
-  return loaded
+  return rename_keys(loaded, path)
 
 
 def _parse_overrides(overrides: Sequence[str]):

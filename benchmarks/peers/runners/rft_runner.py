@@ -26,6 +26,7 @@ from common import group_advantages, load_batch, reward, serve  # noqa: E402
 from rft_jax.models import load_hf  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner, LearnerBatch  # noqa: E402
+from rft_jax.rl.optimizer import OptimizerConfig  # noqa: E402
 from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 from rft_jax.sampling.rollouts import learner_arrays  # noqa: E402
 
@@ -33,7 +34,7 @@ from rft_jax.sampling.rollouts import learner_arrays  # noqa: E402
 def setup(spec: dict) -> dict:
   model = load_hf(spec["checkpoint"])
   vocab = model.config.vocab_size
-  config = LearnerConfig(lr=spec["lr"], forecast_every=0, temperature=spec["temperature"])
+  config = LearnerConfig(optim=OptimizerConfig(lr=spec["lr"]), forecast_every=0, temperature=spec["temperature"])
   learner = Learner(model, config)
   state = {"train": learner.init(model)}
   scheduler = os.environ.get("RFT_JAX_BENCH_SCHEDULER", spec["scheduler"])
