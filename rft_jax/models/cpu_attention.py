@@ -41,12 +41,20 @@ float lanes) where the CPU has it, else ``x86-64-v2`` (SSE4.2: 4 lanes; else the
 default), with ``-ffp-contract=off`` (no product and sum fused into one FMA, which the build
 would otherwise do where the target has FMA). Each lane's sums run in the same order at any width
 and no operation is fused, so every x86-64 CPU gets the same bits: the ``x86-64-v2``,
-``x86-64-v3`` and ``-march=native`` builds agreed bit for bit on the AMD EPYC of 2026-11-27
-(``tests/test_cpu_attention.py`` compares the first two). ``-march=native`` (with FMA) was no
-faster there: one layer of the large model, ``python benchmarks/cpu_attention.py`` (medians of
-20 rounds, load average below 1): XLA 1.06 ms, native 0.43, x86-64-v3 without FMA 0.44,
-x86-64-v2 0.69; the small model's decode step, ``python benchmarks/cpu_decode_step.py --kinds
-step``: CPU ms per step native NATIVE_STEP, x86-64-v3 V3_STEP.
+``x86-64-v3`` and ``-march=native`` builds with ``-ffp-contract=off`` agreed bit for bit on the
+AMD EPYC of 2026-11-27 (``tests/test_cpu_attention.py`` compares the first two), where the former
+``-march=native`` build (FMA) was up to 1.0e-7 off them. The cost, against that former build, on
+that machine (2 cores, load average 2-12 from other work; each run with ``XDG_CACHE_HOME`` set to
+a directory holding one build under :func:`library_path`'s name, alternated):
+
+* one layer of the large model, ``python benchmarks/cpu_attention.py`` (3 runs each): the
+  kernel's median time over XLA's in the same run 0.54-0.60 (native, FMA) and 0.58-0.66
+  (x86-64-v3); at load average 0.3, both loaded side by side in one process (an ad-hoc script,
+  the same shapes), medians of two runs 0.43-0.49 ms against 0.44-0.53 (x86-64-v2: 0.69-0.77):
+  a few percent of the kernel's time, which is about a sixth of a decode step's;
+* the small model's decode step at 64 rows, ``python benchmarks/cpu_decode_step.py --kinds
+  step`` (5 runs each): CPU ms per step 17.0-19.8, median 19.1 (native) against 17.4-22.1, median
+  19.0 (x86-64-v3): no difference the load lets one see.
 """
 
 from __future__ import annotations
