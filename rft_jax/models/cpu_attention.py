@@ -47,12 +47,12 @@ AMD EPYC of 2026-11-27 (``tests/test_cpu_attention.py`` compares the first two),
 that machine (2 cores, load average 2-12 from other work; each run with ``XDG_CACHE_HOME`` set to
 a directory holding one build under :func:`library_path`'s name, alternated):
 
-* one layer of the large model, ``python benchmarks/cpu_attention.py`` (3 runs each): the
+* one layer of the large model, ``python benchmarks/speed/cpu_attention.py`` (3 runs each): the
   kernel's median time over XLA's in the same run 0.54-0.60 (native, FMA) and 0.58-0.66
   (x86-64-v3); at load average 0.3, both loaded side by side in one process (an ad-hoc script,
   the same shapes), medians of two runs 0.43-0.49 ms against 0.44-0.53 (x86-64-v2: 0.69-0.77):
   a few percent of the kernel's time, which is about a sixth of a decode step's;
-* the small model's decode step at 64 rows, ``python benchmarks/cpu_decode_step.py --kinds
+* the small model's decode step at 64 rows, ``python benchmarks/speed/cpu_decode_step.py --kinds
   step`` (5 runs each): CPU ms per step 17.0-19.8, median 19.1 (native) against 17.4-22.1, median
   19.0 (x86-64-v3): no difference the load lets one see.
 """
