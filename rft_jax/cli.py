@@ -309,6 +309,26 @@ def _plan(args: argparse.Namespace) -> int:
   return 0 if report["fits"] else 1
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+  import os
+  import time
+
+  from rft_jax.models import cpu_attention
+
+  name = f"the CPU decode attention kernel ({cpu_attention.target()})"
+  if os.path.exists(cpu_attention.library_path()) and not args.force:
+    print(f"rft-jax build-kernels: {name} is built: {cpu_attention.library_path()}")
+    return 0
+  start = time.perf_counter()
+  try:
+    path = cpu_attention.build(force=True)
+  except RuntimeError as exc:
+    print(f"rft-jax build-kernels: error: {exc}", file=sys.stderr)
+    return 1
+  print(f"rft-jax build-kernels: {name} built into {path} in {time.perf_counter() - start:.1f} s")
+  return 0
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
   """Option defaults shown (not an unset one's or a flag's), descriptions and epilogs as written."""
 
@@ -471,6 +491,11 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument("run_dirs", nargs="+", help="run directories (with metrics.jsonl); one colour each")
   plot.add_argument("--out", help="PNG to write (default: plots.png in the first run directory)")
   plot.set_defaults(func=_plot)
+
+  kernels = sub.add_parser("build-kernels", help="compile the CPU decode attention kernel for this "
+                                                 "machine (without it, CPU decoding uses XLA's attention)")
+  kernels.add_argument("--force", action="store_true", help="rebuild it where it is built")
+  kernels.set_defaults(func=_build_kernels)
   for command in (train, demo, figures):
     loudness = command.add_mutually_exclusive_group()
     loudness.add_argument("--quiet", action="count", default=0, help="status lines: warnings only")

@@ -40,10 +40,35 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["RFT_JAX_TESTS
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 # JIT compilation makes the first example slow; shapes are drawn from small fixed sets.
 hypothesis.settings.register_profile("rft_jax", deadline=None, max_examples=60, derandomize=True)
 hypothesis.settings.load_profile("rft_jax")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_attention_built():
+  """The CPU decode attention kernel built as ``rft-jax build-kernels`` builds it (once per
+  machine and kernel source; a no-op after), before any test: the sampler's tests on CPU run it,
+  as runs do where it is built. Its path, or the build's error (the ``cpu_kernel`` fixture's tests
+  fail with it; the others run XLA's attention)."""
+  from rft_jax.models import cpu_attention
+
+  try:
+    return cpu_attention.build()
+  except RuntimeError as e:
+    return e
+
+
+@pytest.fixture
+def cpu_kernel(cpu_attention_built):
+  """The CPU decode attention kernel, built and registered (else the build's error)."""
+  from rft_jax.models import cpu_attention
+
+  if isinstance(cpu_attention_built, Exception):
+    raise cpu_attention_built
+  assert cpu_attention.available()
 
 
 # The files that take a minute or more, slowest first (`bash tests/run.sh --durations=60`). With

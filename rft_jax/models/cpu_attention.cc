@@ -18,11 +18,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// One vector register's worth of floats: 16 lanes with AVX-512, 8 with AVX (the build's
-// -march=native decides). Wider generic vectors than the registers (16 lanes on an AVX2 machine)
-// compile to spills and lane-by-lane inserts: the kernel ran 2-3x slower that way
-// (benchmarks/speed/cpu_attention.py). Each lane's sums run in the same order at any width, and
-// softmax_live sums its normaliser by 16 lanes, so the results do not depend on the width.
+// One vector register's worth of floats: 16 lanes with AVX-512, 8 with AVX, 4 else (the build's
+// target decides: x86-64-v3, 8 lanes, or x86-64-v2, 4). Wider generic vectors than the registers
+// (16 lanes on an AVX2 machine) compile to spills and lane-by-lane inserts: the kernel ran 2-3x
+// slower that way (benchmarks/speed/cpu_attention.py). Each lane's sums run in the same order at
+// any width, and softmax_live sums its normaliser by 16 lanes, so the results do not depend on
+// the width (nor on FMA: the build passes -ffp-contract=off).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #elif defined(__AVX__)

@@ -20,19 +20,41 @@ attention takes 7.0 ms of 39.5 where ``attend`` takes 12.0 of 44.5 (``python
 benchmarks/speed/decode_layout.py --rounds 5``, medians, 2026-11-27: 64 steps after 48 prompt slots;
 ``python benchmarks/speed/cpu_attention.py`` times one layer's call).
 
-Its vectors are one register wide on the CPU it is built for (8 float lanes with AVX2, 16 with
-AVX-512). Written with 16-lane vectors throughout, it spilled them on an AVX2 machine (the AMD
+Its vectors are one register wide on the target it is built for (8 float lanes on x86-64-v3, 4
+on x86-64-v2). Written with 16-lane vectors throughout, it spilled them on an AVX2 machine (the AMD
 EPYC of 2026-11-26): the large model's layer took 2.0 ms against XLA's 1.5, and 0.7-1.1 ms with
 register-wide vectors (``python benchmarks/speed/cpu_attention.py``, a loaded machine; the peers'
 small model's decode step at 64 rows: ``python benchmarks/speed/cpu_decode_step.py``). Each lane's
 sums run in the same order at any width, and the softmax normaliser is summed by 16 lanes at
 any width, so its results do not depend on the register width.
 
-The kernel is C++ built on first use with the machine's compiler (``c++ -O3 -march=native``)
-into ``$XDG_CACHE_HOME/rft_jax`` (``~/.cache/rft_jax``), keyed by its source, jax's version and
-the CPU, then registered with XLA. Where that fails (no compiler, or it fails) :func:`available`
-logs why, once, and the sampler uses ``attend``; so it does with ``RFT_JAX_CPU_ATTENTION=0``, and
-on a mesh of several devices (XLA cannot split a custom call over one).
+The kernel is C++, built by an explicit step, never by a sampling call: ``rft-jax
+build-kernels`` (:func:`build`) compiles it with the machine's compiler (``$CXX``, else ``c++`` or
+``g++``) into ``$XDG_CACHE_HOME/rft_jax`` (``~/.cache/rft_jax``), keyed by its source, jax's
+version and the build's target (:func:`target`). :func:`available` only loads that library and
+registers it with XLA; where it is not built (or cannot be loaded) it logs one line saying so and
+how to build it, and the sampler uses ``attend``; so it does with ``RFT_JAX_CPU_ATTENTION=0``, on
+a mesh of several devices (XLA cannot split a custom call over one), and off CPU.
+
+It is built for a portable target, not the machine's own CPU: ``x86-64-v3`` (AVX2 and FMA: 8
+float lanes) where the CPU has it, else ``x86-64-v2`` (SSE4.2: 4 lanes; else the compiler's
+default), with ``-ffp-contract=off`` (no product and sum fused into one FMA, which the build
+would otherwise do where the target has FMA). Each lane's sums run in the same order at any width
+and no operation is fused, so every x86-64 CPU gets the same bits: the ``x86-64-v2``,
+``x86-64-v3`` and ``-march=native`` builds with ``-ffp-contract=off`` agreed bit for bit on the
+AMD EPYC of 2026-11-27 (``tests/test_cpu_attention.py`` compares the first two), where the former
+``-march=native`` build (FMA) was up to 1.0e-7 off them. The cost, against that former build, on
+that machine (2 cores, load average 2-12 from other work; each run with ``XDG_CACHE_HOME`` set to
+a directory holding one build under :func:`library_path`'s name, alternated):
+
+* one layer of the large model, ``python benchmarks/speed/cpu_attention.py`` (3 runs each): the
+  kernel's median time over XLA's in the same run 0.54-0.60 (native, FMA) and 0.58-0.66
+  (x86-64-v3); at load average 0.3, both loaded side by side in one process (an ad-hoc script,
+  the same shapes), medians of two runs 0.43-0.49 ms against 0.44-0.53 (x86-64-v2: 0.69-0.77):
+  a few percent of the kernel's time, which is about a sixth of a decode step's;
+* the small model's decode step at 64 rows, ``python benchmarks/speed/cpu_decode_step.py --kinds
+  step`` (5 runs each): CPU ms per step 17.0-19.8, median 19.1 (native) against 17.4-22.1, median
+  19.0 (x86-64-v3): no difference the load lets one see.
 """
 
 from __future__ import annotations
@@ -53,57 +75,94 @@ from jaxtyping import Array, Bool, Float
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
 _TARGET = "rft_jax_decode_attention"
+_FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+# The x86-64 levels the kernel is built for, widest first, with the /proc/cpuinfo flags each needs.
+_X86_LEVELS = (("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe",
+                              "xsave"}),
+               ("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}))
 _log = logging.getLogger(__name__)
 
 
-def _cpu_signature() -> str:
-  """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+def _cpu_flags() -> set[str]:
+  """The CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
   try:
     with open("/proc/cpuinfo") as f:
-      return "".join(l for l in f if l.startswith(("model name", "flags", "Features"))).strip()
+      return set(next((l.split(":", 1)[1] for l in f if l.startswith("flags")), "").split())
   except OSError:
-    return platform.processor()
+    return set()
 
 
-def _build(compiler: str, out: str) -> None:
-  """Compiles the kernel into the shared library ``out`` (atomically: a temporary, renamed)."""
+def target() -> str:
+  """What the kernel is built for on this machine: the widest x86-64 level its CPU runs
+  (``x86-64-v3``, ``x86-64-v2``, else ``x86-64``), or elsewhere the architecture (the compiler's
+  default target, e.g. ``aarch64``)."""
+  machine = platform.machine().lower()
+  if machine not in ("x86_64", "amd64"):
+    return machine
+  flags = _cpu_flags()
+  return next((level for level, need in _X86_LEVELS if need <= flags), "x86-64")
+
+
+def library_path(build_target: str | None = None) -> str:
+  """The shared library of the kernel for ``build_target`` (default :func:`target`): in
+  ``$XDG_CACHE_HOME/rft_jax``, named by a hash of the source, jax's version, target and flags."""
+  build_target = build_target or target()
+  with open(_SOURCE, "rb") as f:
+    source = f.read()
+  key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), build_target.encode(),
+                                   " ".join(_FLAGS).encode()])).hexdigest()[:16]
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+  return os.path.join(cache, "rft_jax", f"cpu_attention-{build_target}-{key}.so")
+
+
+def build(build_target: str | None = None, *, force: bool = False) -> str:
+  """Compiles the kernel for ``build_target`` (default :func:`target`) into
+  :func:`library_path` unless it is there (or ``force``), atomically (a temporary, renamed);
+  returns its path. Raises RuntimeError naming the missing compiler or the failing command."""
+  build_target = build_target or target()
+  out = library_path(build_target)
+  if os.path.exists(out) and not force:
+    return out
+  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (c++, g++ or $CXX) found to build the CPU attention kernel")
   os.makedirs(os.path.dirname(out), exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
   os.close(fd)
+  march = [f"-march={build_target}"] if build_target.startswith("x86-64") else []
+  cmd = [compiler, *_FLAGS, *march, f"-I{jax.ffi.include_dir()}", _SOURCE, "-o", tmp]
   try:
-    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-           f"-I{jax.ffi.include_dir()}", _SOURCE, "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:
-      raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+      raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}): "
+                         f"{done.stderr.strip()[-500:]}")
     os.replace(tmp, out)
+  except (OSError, subprocess.SubprocessError) as e:
+    raise RuntimeError(f"{' '.join(cmd)} failed: {e}") from e
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
+  available.cache_clear()  # a process that builds it then uses it
+  return out
 
 
 @functools.cache
 def available() -> bool:
-  """Whether the kernel is built and registered (once per process; False says why in the log)."""
+  """Whether the kernel is built for this machine (:func:`build`) and registered with XLA (once
+  per process; it never builds it). False, where not turned off, says why in one logged line."""
   if os.environ.get("RFT_JAX_CPU_ATTENTION", "1") == "0":
     return False
-  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-  if compiler is None:
-    _log.warning("CPU decode attention kernel off: no C++ compiler (c++, g++ or $CXX) found")
+  library = library_path()
+  if not os.path.exists(library):
+    _log.warning("CPU decode attention kernel off: not built for %s (no %s); decoding uses XLA's "
+                 "attention. Build it with `rft-jax build-kernels`", target(), library)
     return False
-  with open(_SOURCE, "rb") as f:
-    source = f.read()
-  key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), compiler.encode(),
-                                   _cpu_signature().encode()])).hexdigest()[:16]
-  cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rft_jax")
-  library = os.path.join(cache, f"cpu_attention-{key}.so")
   try:
-    if not os.path.exists(library):
-      _build(compiler, library)
     handler = ctypes.cdll.LoadLibrary(library).RftDecodeAttention
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-    _log.warning("CPU decode attention kernel off: %s", e)
+  except (OSError, AttributeError) as e:
+    _log.warning("CPU decode attention kernel off: %s; decoding uses XLA's attention. Rebuild it "
+                 "with `rft-jax build-kernels`", e)
     return False
   return True
 
@@ -111,10 +170,11 @@ def available() -> bool:
 def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
            v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]) -> Float[Array, "B K G H"]:
   """:func:`~rft_jax.models.feature_major.attend` by the kernel, in float32, on one CPU device
-  (XLA cannot split a custom call over a mesh); where :func:`available` is False, an error."""
+  only (XLA cannot split a custom call over a mesh; no other platform has a handler for it); where
+  :func:`available` is False, an error."""
   if not available():
-    raise RuntimeError("the CPU decode attention kernel is off (RFT_JAX_CPU_ATTENTION=0) or could "
-                       "not be built (the log says why): use feature_major.attend")
+    raise RuntimeError("the CPU decode attention kernel is off (RFT_JAX_CPU_ATTENTION=0) or not "
+                       "built (`rft-jax build-kernels`): use feature_major.attend")
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                           vmap_method="sequential")
   out = call(q.astype(jnp.float32), k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), mask)

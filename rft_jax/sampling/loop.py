@@ -304,9 +304,9 @@ def on_cpu(mesh: Mesh | None) -> bool:
 
 def cpu_attention_for(cache: KVCache, mesh: Mesh | None):
   """The CPU decode step's attention: the compiled kernel (:mod:`rft_jax.models.cpu_attention`)
-  for a float32 cache on one device, where it is built; else ``feature_major.attend``."""
-  one_device = mesh is None or mesh.devices.size == 1
-  if one_device and cache.dtype == jnp.float32 and cpu_attention.available():
+  for a float32 cache on one CPU device, where it is built; else ``feature_major.attend``."""
+  one_cpu = (mesh is None or mesh.devices.size == 1) and platform_of(mesh) == "cpu"
+  if one_cpu and cache.dtype == jnp.float32 and cpu_attention.available():
     return cpu_attention.attend
   return feature_major.attend
 
