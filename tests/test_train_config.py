@@ -117,11 +117,36 @@ def test_optimizer_settings_live_under_optim_and_old_flat_keys_still_load(tmp_pa
       "the command line: learner.adam_eps is deprecated: use learner.optim.adam_eps",
       f"{old}: learner.lr, learner.b1, critic.weight_decay are deprecated: use learner.optim.lr, "
       "learner.optim.b1, critic.optim.weight_decay"]
-  # total_steps: the run's optimizer updates unless set (the cosine decay's horizon).
+  # total_steps: with a decaying schedule, the run's optimizer updates unless set.
+  assert (cfg.learner.optim.total_steps, cfg.critic.optim.total_steps) == (None, None)  # constant
+  cosine = ["learner.optim.schedule=warmup_cosine", "critic.optim.schedule=warmup_cosine"]
+  cfg = load_config(old, REQUIRED + cosine)
   assert (cfg.learner.optim.total_steps, cfg.critic.optim.total_steps) == (5 * 2, 5)
-  assert load_config(old, REQUIRED + ["learner.optim.total_steps=3"]).learner.optim.total_steps == 3
+  assert load_config(old, REQUIRED + cosine + ["learner.optim.total_steps=3"]).learner.optim.total_steps == 3
+  # An old config.yaml wrote total_steps: 1000 with every schedule; it counted only for a decay.
+  for schedule, kept in (("constant", None), ("warmup_cosine", 1000)):
+    dump = write(tmp_path, f"learner:\n  schedule: {schedule}\n  total_steps: 1000\n")
+    assert load_config(dump, REQUIRED).learner.optim.total_steps == kept
   # One check for both optimizers (critic.b1=1.5 was refused while learner.b1=1.5 was accepted).
   for override in ("learner.optim.b1=1.5", "critic.optim.b1=1.5", "learner.b1=1.5", "critic.b1=1.5"):
     section = override.split(".")[0]
     with pytest.raises(ConfigError, match=rf"{section}.optim.b1 must be in \[0, 1\), got 1.5"):
       load_config(None, REQUIRED + [override])
+
+
+def test_an_old_run_directory_with_flat_optimizer_keys_is_compared_by_the_new_keys(tmp_path):
+  """A ``config.yaml`` written before ``learner.optim`` existed (flat keys, ``total_steps: 1000``)
+  resumes with the same settings, and a changed learning rate is still refused by name."""
+  from omegaconf import OmegaConf
+
+  from rft_jax.train.renamed_keys import rename_keys
+  from rft_jax.train.run_dir import config_changes
+
+  cfg = load_config(None, REQUIRED + ["learner.optim.lr=2e-6"])
+  old = OmegaConf.to_container(OmegaConf.structured(cfg))
+  optim = old["learner"].pop("optim")
+  old["learner"].update(optim, total_steps=1000)  # the old layout
+  renamed = OmegaConf.to_container(rename_keys(OmegaConf.create(old), "config.yaml"))
+  assert config_changes(renamed, cfg) == []
+  changed = load_config(None, REQUIRED + ["learner.optim.lr=3e-6"])
+  assert config_changes(renamed, changed) == [("learner.optim.lr", 2e-6, 3e-6)]

@@ -119,10 +119,17 @@ def first_order_grpo_update(
   return -alpha * centered_token_discriminator(logits, tokens)
 
 
-def masked_mean(x: Float[Array, "..."], mask: Array) -> Float[Array, ""]:
-  """Mean of ``x`` over entries where ``mask`` is true, as sum / count (0 if empty)."""
-  mask = mask.astype(x.dtype)
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1)
+def masked_mean(x: Float[Array, "..."], where: Array) -> Float[Array, ""]:
+  r"""Mean of ``x`` over the entries where ``where`` is true (or nonzero), 0 if there are none.
+
+  .. math::  \bar x = \frac{\sum_t [w_t]\, x_t}{\max(\sum_t [w_t], 1)},
+
+  with :math:`[w_t]` the indicator of ``where`` (``optax``'s ``where=`` convention); entries
+  outside ``where`` never enter, not even as ``0 * nan``. The project's one masked mean: verl's
+  ``masked_mean``, :math:`\sum m x / (\sum m + 10^{-8})`, is the same number in float32 for 0/1
+  masks (:math:`N + 10^{-8} = N` for :math:`N \ge 1`; both are 0 for :math:`N = 0`)."""
+  valid = where if where.dtype == jnp.bool_ else where != 0
+  return jnp.sum(jnp.where(valid, x, 0)) / jnp.maximum(jnp.sum(valid), 1).astype(x.dtype)
 
 
 def masked_covariance(

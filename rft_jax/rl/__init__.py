@@ -1,11 +1,11 @@
-"""Reinforcement-learning pieces: advantages, policy losses and aggregation (pure functions).
-
-The learner (train step) builds on these; `rl/` shares only the model with `sampling/`.
+"""Reinforcement learning on rollouts: advantages, policy losses and aggregation (pure functions),
+the registry of token methods (``token_methods/``), and the compiled train steps of the learner
+(``learner.py``) and of PPO's critic (``critic.py``). ``rl/`` shares only the model with
+``sampling/``.
 """
 
 from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from rft_jax.rl.advantages import compute_advantages
-from rft_jax.rl.advantages import token_advantages
 from rft_jax.rl.losses import AGGREGATIONS
 from rft_jax.rl.losses import KL_ESTIMATORS
 from rft_jax.rl.losses import LossNormaliser
@@ -26,5 +26,4 @@ __all__ = [
     "kl_penalty",
     "loss_normaliser",
     "ppo_clipped_loss",
-    "token_advantages",
 ]

@@ -58,7 +58,3 @@ def compute_advantages(rewards: Float[Array, "N"], group_size: int, estimator: s
   grouped = rewards.reshape(-1, group_size).astype(jnp.float32)
   return ADVANTAGE_ESTIMATORS[estimator](grouped, **kwargs).reshape(-1)
 
-
-def token_advantages(advantages: Float[Array, "B"], mask: Array) -> Float[Array, "B T"]:
-  """Broadcast per-sequence advantages over response tokens (0 off the mask)."""
-  return advantages[:, None] * mask.astype(advantages.dtype)

@@ -48,18 +48,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
+from rft_jax.entropy import masked_mean
+
 # verl 0.9.1 defaults: verl/trainer/config/actor/actor.yaml:64-76 (verl/workers/config/actor.py:95-99).
 CLIP_COV_RATIO = 2e-4
 CLIP_COV_LB = 1.0
 CLIP_COV_UB = 5.0
 KL_COV_RATIO = 2e-4
 KL_COV_COEF = 0.1
-
-
-def _masked_mean(x: Float[Array, "..."], valid: Bool[Array, "..."]) -> Float[Array, ""]:
-  """Mean of ``x`` over ``valid`` (0 when nothing is valid); padded values never enter."""
-  total = jnp.sum(jnp.where(valid, x, 0.0))
-  return total / jnp.maximum(jnp.sum(valid), 1).astype(x.dtype)
 
 
 def _int_ratio_times(ratio: float, n: Array, n_max: int) -> Array:
@@ -109,7 +105,7 @@ def token_covariance(
   valid = mask > 0
   lp = jax.lax.stop_gradient(logp).astype(jnp.float32)
   adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
-  cov = (adv - _masked_mean(adv, valid)) * (lp - _masked_mean(lp, valid))
+  cov = (adv - masked_mean(adv, valid)) * (lp - masked_mean(lp, valid))
   return jnp.where(valid, cov, 0.0)
 
 

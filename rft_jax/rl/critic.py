@@ -31,20 +31,20 @@ from typing import Any, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.models.layers import param
-from rft_jax.parallel import global_array, host_array, with_shardings
+from rft_jax.parallel import host_array
 from rft_jax.rl.batching import merge_rows, split_rows
 from rft_jax.rl.checks import choice, finite_numbers, positive
 from rft_jax.rl.gae import clipped_value_loss
 from rft_jax.rl.losses import AGGREGATIONS, aggregate_loss, loss_normaliser
 from rft_jax.rl.nonfinite import keep_if_finite
-from rft_jax.rl.optimizer import OptimizerConfig, make_optimizer, optimizer_config, optimizer_shardings
+from rft_jax.rl.model_trainer import ModelTrainer, TrainState
+from rft_jax.rl.optimizer import OptimizerConfig, optimizer_config
 
 
 class ValueModel(nnx.Module):
@@ -143,17 +143,9 @@ class ActorCriticState:
     return self.policy.params
 
 
-@flax.struct.dataclass
-class CriticState:
-  """The critic's parameters, AdamW state and count of steps applied (skipped ones not counted)."""
-
-  params: Any
-  opt_state: Any
-  step: jax.Array
-
-
-class Critic:
-  """Compiles and runs the critic's value pass and train step (no state of its own).
+class Critic(ModelTrainer):
+  """Compiles and runs the critic's value pass and train step (no state of its own): a
+  :class:`~rft_jax.rl.model_trainer.ModelTrainer` whose state is a ``TrainState``.
 
   Args:
     value_model: the :class:`ValueModel` (its architecture; :meth:`init` takes its parameters).
@@ -163,33 +155,9 @@ class Critic:
 
   def __init__(self, value_model: ValueModel, config: CriticConfig, *, mesh: Mesh | None = None,
                data_axis: str = "data"):
-    self.config, self.mesh, self.data_axis = config, mesh, data_axis
-    self.graphdef, _, self._rest = nnx.split(value_model, nnx.Param, ...)
-    self.optimizer, self.schedule = make_optimizer(config.optim)
+    super().__init__(value_model, config.optim, mesh=mesh, data_axis=data_axis)
+    self.config = config
     self._compiled: dict[str, Any] = {}
-
-  def init(self, value_model: ValueModel) -> CriticState:
-    """A fresh state holding ``value_model``'s parameter arrays (donated by :meth:`step`)."""
-    params = nnx.state(value_model, nnx.Param)
-    if self.mesh is None:
-      return CriticState(params, jax.jit(self.optimizer.init)(params), jnp.zeros((), jnp.int32))
-    shardings = self.state_shardings(params)
-    params = jax.tree.map(global_array, params, shardings.params)
-    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
-    return CriticState(params, opt_state, global_array(jnp.zeros((), jnp.int32), shardings.step))
-
-  def state_shardings(self, params) -> CriticState:
-    """The state's layout: AdamW's moments exactly like the parameters (:func:`optimizer_shardings`)."""
-    return CriticState(*optimizer_shardings(self.optimizer, params, self.mesh))
-
-  def abstract_state(self, params) -> CriticState:
-    """The state of ``params`` as ``jax.ShapeDtypeStruct`` with shardings (nothing allocated)."""
-    shapes = jax.eval_shape(lambda p: CriticState(p, self.optimizer.init(p), jnp.zeros((), jnp.int32)), params)
-    return with_shardings(shapes, self.state_shardings(params))
-
-  def model(self, state: CriticState) -> ValueModel:
-    """The value model with ``state``'s parameters (no copy)."""
-    return nnx.merge(self.graphdef, state.params, self._rest)
 
   # ---------------------------------------------------------------------------------------
 
@@ -198,14 +166,10 @@ class Critic:
     if x.shape[0] % self.config.micro_batch_size:
       raise ValueError(f"batch of {x.shape[0]} sequences does not split into micro-batches of "
                        f"critic.micro_batch_size={self.config.micro_batch_size}")
-    x = split_rows(x, x.shape[0] // self.config.micro_batch_size)
-    if self.mesh is None:
-      return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(None, self.data_axis)))
+    return self.constrain_micro_batches(split_rows(x, x.shape[0] // self.config.micro_batch_size))
 
   def _next_token_values(self, params, input_ids, attention_mask) -> Float[Array, "b L-1"]:
-    model = nnx.merge(self.graphdef, params, self._rest)
-    return model.values(input_ids, attention_mask, self.mesh)[:, :-1]
+    return self.merge(params).values(input_ids, attention_mask, self.mesh)[:, :-1]
 
   def _values_fn(self, params, input_ids, attention_mask):
     micros = (self._micro(input_ids), self._micro(attention_mask))
@@ -218,7 +182,7 @@ class Critic:
     loss = aggregate_loss(terms.loss, micro["mask"], self.config.loss_agg, normaliser)
     return loss, (jnp.sum(terms.clipped), jnp.sum(jnp.where(micro["mask"] > 0, values, 0.0)))
 
-  def _step_fn(self, state: CriticState, input_ids, attention_mask, response_mask, returns, old_values):
+  def _step_fn(self, state: TrainState, input_ids, attention_mask, response_mask, returns, old_values):
     c = self.config
     mask = response_mask.astype(jnp.float32) * attention_mask[:, 1:]
     normaliser = loss_normaliser(mask, c.max_len or input_ids.shape[1] - 1)
@@ -236,9 +200,7 @@ class Critic:
     zero = jnp.zeros((), jnp.float32)
     init = (jax.tree.map(jnp.zeros_like, state.params), zero, jnp.zeros((), jnp.int32), zero)
     (grads, loss, clipped, value_sum), _ = jax.lax.scan(accumulate, init, micros)
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-    grad_norm = optax.tree.norm(grads)
-    new = CriticState(optax.apply_updates(state.params, updates), opt_state, state.step)
+    new, grad_norm = self.apply_gradients(state, grads)
     new, skipped = keep_if_finite(new, state, [loss, grad_norm])
     n = jnp.sum(mask)
     valid = mask > 0
@@ -261,7 +223,7 @@ class Critic:
       if self.mesh is None:
         self._compiled[name] = jax.jit(fn, donate_argnums=donate)
       else:
-        rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+        rows = self.rows_sharding()
         layout = jax.tree.map(lambda x: x.sharding, state_like)
         out = jax.tree.map(lambda o: layout if o == "state" else rows if o == "rows" else
                            NamedSharding(self.mesh, PartitionSpec()), out)
@@ -269,19 +231,13 @@ class Critic:
                                        out_shardings=out)
     return self._compiled[name]
 
-  def _place(self, *xs):
-    """Global arrays with rows over the data axis (each process passes the same full batch)."""
-    if self.mesh is None:
-      return xs
-    return tuple(global_array(x, NamedSharding(self.mesh, PartitionSpec(self.data_axis))) for x in xs)
-
-  def values(self, state: CriticState, input_ids, attention_mask) -> Float[Array, "B L-1"]:
+  def values(self, state: TrainState, input_ids, attention_mask) -> Float[Array, "B L-1"]:
     """``[B, L-1]`` float32: entry ``t`` is :math:`V(s_t)`, paired with token ``t + 1`` (module
     docstring), micro-batch by micro-batch; rows over the data axis on a mesh."""
     fn = self._jit("values", self._values_fn, state.params, 2, "rows", ())
-    return fn(state.params, *self._place(input_ids, attention_mask))
+    return fn(state.params, *self.place_rows((input_ids, attention_mask)))
 
-  def step(self, state: CriticState, input_ids, attention_mask, response_mask, returns, old_values):
+  def step(self, state: TrainState, input_ids, attention_mask, response_mask, returns, old_values):
     r"""One AdamW step of the clipped value loss: ``(state, metrics)`` (floats; ``state`` donated).
 
     Args:
@@ -296,7 +252,7 @@ class Critic:
     unbiased, over valid tokens), ``critic_grad_norm`` (before clipping), ``critic_lr``,
     ``critic_nonfinite_skipped``.
     """
-    arrays = self._place(input_ids, attention_mask, response_mask, returns, old_values)
+    arrays = self.place_rows((input_ids, attention_mask, response_mask, returns, old_values))
     fn = self._jit("step", self._step_fn, state, 5, ("state", "replicated"), 0)
     state, metrics = fn(state, *arrays)
     return state, {k: float(host_array(v)) for k, v in metrics.items()}

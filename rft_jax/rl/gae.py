@@ -40,10 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-
-def _masked_mean(x: Float[Array, "B T"], mask: Float[Array, "B T"]) -> Float[Array, ""]:
-  """verl ``masked_mean`` over all elements: ``sum(where(m, x, 0) * m) / (sum(m) + 1e-8)``."""
-  return jnp.sum(jnp.where(mask > 0, x, 0.0) * mask) / (jnp.sum(mask) + 1e-8)
+from rft_jax.entropy import masked_mean
 
 
 def masked_whiten(
@@ -67,9 +64,9 @@ def masked_whiten(
   """
   x = x.astype(jnp.float32)
   m = mask.astype(jnp.float32)
-  mean = _masked_mean(x, m)
+  mean = masked_mean(x, m)
   n = jnp.sum(m)
-  var = _masked_mean(jnp.square(x - mean), m)
+  var = masked_mean(jnp.square(x - mean), m)
   var = var * jnp.where(n > 1, n / jnp.where(n > 1, n - 1, 1.0), 1.0)
   whitened = (x - mean) * jax.lax.rsqrt(var + eps)
   if not shift_mean:

@@ -60,12 +60,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rft_jax.entropy import batch_entropy_change, masked_mean, token_stats
-from rft_jax.parallel import global_array, host_array, with_shardings
+from rft_jax.parallel import global_array, host_array
 from rft_jax.rl import reference as ref_lib
 from rft_jax.rl.batching import (
     first_response_column,
@@ -76,9 +75,8 @@ from rft_jax.rl.batching import (
 )
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser, ppo_clipped_loss
+from rft_jax.rl.model_trainer import ModelTrainer, TrainState
 from rft_jax.rl.nonfinite import keep_if_finite
-from rft_jax.rl.optimizer import make_optimizer, optimizer_shardings
-from rft_jax.rl.token_methods import TokenInputs, configured_method
 from rft_jax.rl.token_batches import (
     PackedRows,
     gather_tokens,
@@ -87,6 +85,7 @@ from rft_jax.rl.token_batches import (
     scatter_tokens,
     token_plan,
 )
+from rft_jax.rl.token_methods import TokenInputs, configured_method
 
 
 @flax.struct.dataclass
@@ -113,16 +112,7 @@ class LearnerBatch:
   ref_logp: Optional[jax.Array] = None
 
 
-@flax.struct.dataclass
-class TrainState:
-  """Everything that changes during training: the one place state lives."""
-
-  params: Any
-  opt_state: Any
-  step: jax.Array  # train steps (batches) applied; a step skipped as non-finite does not count
-
-
-class Learner:
+class Learner(ModelTrainer):
   """Compiles and runs the GRPO train step for one model architecture and config.
 
   The learner holds no training state: :meth:`init` returns a :class:`TrainState` and
@@ -142,11 +132,8 @@ class Learner:
 
   def __init__(self, model: nnx.Module, config: LearnerConfig, *, mesh: Mesh | None = None,
                data_axis: str = "data", reference: Any = None):
+    super().__init__(model, config.optim, mesh=mesh, data_axis=data_axis)
     self.config = config
-    self.mesh = mesh
-    self.data_axis = data_axis
-    self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
-    self.optimizer, self.schedule = make_optimizer(config.optim)
     self.entropy_mask = configured_method(config, removes_tokens=True)  # Clip_B, Clip_V, ...
     self.entropy_method = configured_method(config, removes_tokens=False)  # Clip-Cov, KL-Cov, ...
     self._reference_source = reference
@@ -168,19 +155,11 @@ class Learner:
     With ``kl_coef > 0`` it also sets :attr:`reference`: :meth:`reference_params` of the
     constructor's ``reference``, or else of ``model``, copied before any step donates it.
     """
-    params = nnx.state(model, nnx.Param)
     if self.config.kl_coef > 0 and self.reference is None:
       source = model if self._reference_source is None else self._reference_source
-      self.reference = self.reference_params(source, like=params)
+      self.reference = self.reference_params(source, like=nnx.state(model, nnx.Param))
       self._reference_source = None  # the learner keeps only the frozen copy
-    if self.mesh is None:
-      return TrainState(params=params, opt_state=jax.jit(self.optimizer.init)(params),
-                        step=jnp.zeros((), jnp.int32))
-    shardings = self.state_shardings(params)
-    params = jax.tree.map(global_array, params, shardings.params)
-    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
-    return TrainState(params=params, opt_state=opt_state,
-                      step=global_array(jnp.zeros((), jnp.int32), shardings.step))
+    return super().init(model)
 
   def _param_shardings(self, params):
     """The parameters' layout on the mesh (None without a mesh)."""
@@ -204,41 +183,14 @@ class Learner:
       return None
     return ref_lib.abstract_reference(params, self._param_shardings(params), self.config.ref_dtype)
 
-  def state_shardings(self, params) -> TrainState:
-    """The layout of a train state on the mesh, from its parameters (arrays or abstract
-    ``jax.ShapeDtypeStruct`` with shardings).
-
-    AdamW's moments are sharded exactly like the parameters (:func:`optimizer_shardings`).
-    """
-    param_shardings, opt_shardings, replicated = optimizer_shardings(self.optimizer, params, self.mesh)
-    return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated)
-
-  def abstract_state(self, params) -> TrainState:
-    """The train state of ``params`` (abstract or concrete, laid out on the mesh) as
-    ``jax.ShapeDtypeStruct`` leaves with the shardings of :meth:`state_shardings`: nothing is
-    allocated, e.g. to compile the step for devices this process does not have."""
-    shapes = jax.eval_shape(lambda p: TrainState(params=p, opt_state=self.optimizer.init(p),
-                                                 step=jnp.zeros((), jnp.int32)), params)
-    return with_shardings(shapes, self.state_shardings(params))
-
-  def model(self, state: TrainState) -> nnx.Module:
-    """The model with ``state``'s parameters (no copy): what the sampler runs."""
-    return nnx.merge(self.graphdef, state.params, self._rest)
-
   # ---------------------------------------------------------------------------------------
   # Pieces of the step.
-
-  def _shard_batch(self, x):
-    if self.mesh is None or x is None:
-      return x
-    spec = PartitionSpec(None, self.data_axis) if x.ndim >= 2 else PartitionSpec(self.data_axis)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
   def _token_stats(self, params, input_ids, attention_mask, entropy_grad=False, first_position=0):
     """Stats of the next-token positions ``first_position .. L-2``, ``[b, L-1-first_position]``
     (position t predicts token t+1). The decoder runs over all ``L`` tokens; only the hidden
     states of those positions go through the unembedding."""
-    model = nnx.merge(self.graphdef, params, self._rest)
+    model = self.merge(params)
     hidden = model(input_ids, attention_mask, return_hidden=True, mesh=self.mesh)
     return token_stats(hidden[:, first_position:-1], input_ids[:, first_position + 1:],
                        unembedding=model.unembedding(),
@@ -248,7 +200,7 @@ class Learner:
   def _packed_token_stats(self, params, packed: PackedRows, entropy_grad=False):
     """``token_stats`` ``[r, W]`` of packed rows (``rft_jax.rl.token_batches``): every slot, the
     statistic of predicting ``packed.targets`` (meaningful where ``packed.stat_index`` maps)."""
-    model = nnx.merge(self.graphdef, params, self._rest)
+    model = self.merge(params)
     hidden = model(packed.input_ids, positions=packed.positions, segment_ids=packed.segment_ids,
                    return_hidden=True, mesh=self.mesh)
     return token_stats(hidden, packed.targets, unembedding=model.unembedding(),
@@ -272,13 +224,13 @@ class Learner:
       rows, width = batch.input_ids.shape
       first_position = first_stats_position(stats_from_column)
       parts = token_index.reshape(-1, *token_index.shape[2:])  # [M * n, r, L]
-      packed = PackedRows(*(self._shard_batch(x) for x in packed_rows(
+      packed = PackedRows(*(self.constrain_micro_batches(x) for x in packed_rows(
           parts, batch.input_ids, batch.attention_mask, first_position)))
       stats = jax.lax.map(lambda p: self._packed_token_stats(params, p, entropy_grad), packed)
       shape = (rows, width - 1 - first_position)
       return jax.tree.map(lambda x: scatter_tokens(x, packed.stat_index, shape), stats)
     n = self._micro_batches(batch.input_ids.shape[0])
-    ids, attn = (self._shard_batch(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
+    ids, attn = (self.constrain_micro_batches(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
     first_position = first_stats_position(stats_from_column)
     stats = jax.lax.map(lambda xs: self._token_stats(params, *xs, entropy_grad=entropy_grad,
                                                      first_position=first_position), (ids, attn))
@@ -359,12 +311,6 @@ class Learner:
     loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
     return loss, (counts, fixed, masked, chosen)
 
-  def _apply(self, state: TrainState, grads) -> tuple[TrainState, jax.Array]:
-    """One optimizer step with ``grads``; returns the new state and the gradient norm."""
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return TrainState(params=params, opt_state=opt_state, step=state.step), optax.tree.norm(grads)
-
   def _packed_micro_batches(self, mini: dict, token_index, first_position: int, row_stride: int) -> dict:
     """A mini-batch's per-token arrays (``[b, T]``) as packed micro-batches ``[n, r, L]`` by its
     plan ``token_index`` (``[n, r, L]``; ``row_stride``: see ``packed_rows``), with the packed
@@ -375,7 +321,7 @@ class Learner:
     micros = {k: gather_tokens(v, packed.stat_index) for k, v in per_token.items()
               if k not in ("input_ids", "attention_mask")}
     micros.update(packed._asdict())
-    return {k: self._shard_batch(v) for k, v in micros.items()}
+    return {k: self.constrain_micro_batches(v) for k, v in micros.items()}
 
   def _update(self, state: TrainState, mini: dict, first_update: bool, first_position: int,
               with_stats: bool = False, token_index=None, row_stride: int = 1):
@@ -386,7 +332,7 @@ class Learner:
     if token_index is None:
       n = self._micro_batches(mini["input_ids"].shape[0])
       normaliser = self._loss_normaliser(mini["loss_mask"], mini["input_ids"])
-      micros = {k: self._shard_batch(split_rows(v, n)) for k, v in mini.items()}
+      micros = {k: self.constrain_micro_batches(split_rows(v, n)) for k, v in mini.items()}
     else:
       normaliser = None
       micros = self._packed_micro_batches(mini, token_index, first_position, row_stride)
@@ -404,7 +350,7 @@ class Learner:
                    for k, v in zero_counts.items()}
     init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zero_counts)
     (grads, loss, counts), stats = jax.lax.scan(accumulate, init, micros)
-    state, grad_norm = self._apply(state, grads)
+    state, grad_norm = self.apply_gradients(state, grads)
     if with_stats and token_index is not None:
       shape = (mini["input_ids"].shape[0], mini["loss_mask"].shape[1])
       return state, loss, grad_norm, counts, jax.tree.map(
@@ -475,7 +421,7 @@ class Learner:
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
       (loss, (counts, stats, masked, chosen)), grads = grad_fn(
           state.params, per_token, response, sampler_logp, first_position, state.step)
-      state, grad_norm = self._apply(state, grads)
+      state, grad_norm = self.apply_gradients(state, grads)
       loss_mask, losses, grad_norms, updates_done = response * masked.keep, [loss], [grad_norm], 1
     elif self.shares_forward_pass(batch.input_ids.shape[0]):  # every token in the loss
       per_token = dict(per_token, loss_mask=response)
@@ -576,7 +522,7 @@ class Learner:
       return jax.jit(self._train_step_fn, donate_argnums=0, static_argnums=3)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     reference_shardings = jax.tree.map(lambda x: x.sharding, reference)
-    rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+    rows = self.rows_sharding()
     batch_shardings = jax.tree.map(lambda _: rows, batch)
     replicated = NamedSharding(self.mesh, PartitionSpec())
     plan_sharding = self._plan_sharding() if self.config.micro_batch_tokens is not None else None
@@ -647,15 +593,8 @@ class Learner:
                                                         self.abstract_token_plan(batch))
 
   def place_batch(self, batch: LearnerBatch) -> LearnerBatch:
-    """``batch`` as global arrays with rows over the data axis (unchanged without a mesh).
-
-    Its fields may be numpy or ``jax`` arrays; on several processes each process passes the
-    same full batch and fills only its own devices' rows (:func:`rft_jax.parallel.global_array`).
-    """
-    if self.mesh is None:
-      return batch
-    rows = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
-    return jax.tree.map(lambda x: global_array(x, rows), batch)
+    """``batch`` as global arrays with rows over the data axis (:meth:`place_rows`)."""
+    return self.place_rows(batch)
 
   def step(self, state: TrainState, batch: LearnerBatch, *, rows: bool = False):
     """One train step: ``(state, metrics)``, and with ``rows`` a third element, ``[B]`` numpy arrays

@@ -25,9 +25,9 @@ class OptimizerConfig:
     schedule: ``constant`` or ``warmup_cosine`` (linear warm-up from 0 over ``warmup_steps``, then
       cosine decay to 0 at ``total_steps``).
     warmup_steps: optimizer updates of the warm-up.
-    total_steps: optimizer updates of the cosine decay; None: in a run, the run's updates (``steps``
-      x the updates of a step: ``learner.mini_batches`` x ``learner.ppo_epochs`` for the policy, 1
-      for the critic).
+    total_steps: optimizer updates of the cosine decay; None: in a run with a decaying schedule,
+      the run's updates (``steps`` x the updates of a step: ``learner.mini_batches`` x
+      ``learner.ppo_epochs`` for the policy, 1 for the critic). A constant schedule ignores it.
     weight_decay: AdamW's decoupled weight decay.
     b1, b2: Adam's betas, in [0, 1).
     adam_eps: Adam's epsilon (a larger one stops Adam from moving parameters whose gradients are

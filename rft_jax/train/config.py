@@ -320,10 +320,11 @@ class TrainConfig:
           f"the distribution the rollouts were sampled from (leave learner.temperature unset)")
     if self.learner.max_len is None:
       self.learner.max_len = self.sampling.max_new_tokens
-    if self.learner.optim.total_steps is None:  # the run's optimizer updates
-      self.learner.optim.total_steps = self.steps * self.learner.mini_batches * self.learner.ppo_epochs
-    if self.critic.optim.total_steps is None:  # one critic update per step
-      self.critic.optim.total_steps = self.steps
+    updates = {"learner": self.steps * self.learner.mini_batches * self.learner.ppo_epochs,
+               "critic": self.steps}  # the run's optimizer updates: the horizon of a decaying schedule
+    for section, optim in (("learner", self.learner.optim), ("critic", self.critic.optim)):
+      if optim.total_steps is None and optim.schedule != "constant":
+        optim.total_steps = updates[section]
     for name in ("steps", "keep_checkpoints", "max_nonfinite_steps"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -39,19 +39,25 @@ def renamed_overrides(overrides: Sequence[str], where: str = "the command line")
 
 def rename_keys(config: DictConfig, where: str) -> DictConfig:
   """Moves the moved keys of a loaded YAML mapping to their new place (in place), with one notice;
-  a key set under both names keeps the new one's value."""
+  a key set under both names keeps the new one's value. An old ``total_steps`` beside a constant
+  schedule (every old ``config.yaml`` wrote the default 1000) had no effect and is dropped."""
   old = []
-  for key, new in RENAMED.items():
-    section, field = key.split(".")
+  for section in ("learner", "critic"):
     node = config.get(section) if OmegaConf.is_dict(config) else None
-    if not OmegaConf.is_dict(node) or field not in node:
+    if not OmegaConf.is_dict(node):
       continue
-    old.append(key)
-    value = node.pop(field)
+    moved = [key for key in RENAMED if key.startswith(f"{section}.") and key.split(".")[1] in node]
+    if not moved:
+      continue
     if not OmegaConf.is_dict(node.get("optim")):
       node["optim"] = {}
-    if field not in node["optim"]:
-      node["optim"][field] = value
+    constant = node.get("schedule", node["optim"].get("schedule", "constant")) == "constant"
+    for key in moved:
+      field = key.split(".")[1]
+      value = node.pop(field)
+      if field not in node["optim"] and not (field == "total_steps" and constant):
+        node["optim"][field] = value
+    old += moved
   if old:
     _notice(where, old)
   return config

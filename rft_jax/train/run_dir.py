@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from rft_jax.train.config import PATH_KEYS, TrainConfig, absolute_path, to_yaml
 from rft_jax.train.errors import RunDirError
+from rft_jax.train.renamed_keys import rename_keys
 
 LOCK_FILE = "trainer.lock"
 # What a resumed run may change without --allow-config-change: how long it runs, where and how
@@ -100,7 +101,8 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool = False,
                       f"two runs: pass --overwrite to delete them, or set run_dir to a new "
                       f"directory")
   elif resume and steps and os.path.exists(config_path):
-    changes = config_changes(OmegaConf.to_container(OmegaConf.load(config_path)), cfg)
+    old = rename_keys(OmegaConf.load(config_path), config_path)  # a run directory of an older version
+    changes = config_changes(OmegaConf.to_container(old), cfg)
     refused = [c for c in changes if not c[0].startswith(CHANGEABLE_ON_RESUME)]
     if refused and not allow_config_change:
       listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
