@@ -11,7 +11,7 @@ from typing import Optional
 
 from rft_jax.entropy.clipping import CLIP_V_MAX_FRAC, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
-from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS
+from rft_jax.rl.algorithms import Algorithm, algorithm
 from rft_jax.rl.checks import choice, finite_numbers, positive
 from rft_jax.rl.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
 from rft_jax.rl.forking_tokens import FORKING_RHO
@@ -191,7 +191,7 @@ class LearnerConfig:
       self.entropy_method = EntropyMethodConfig(**self.entropy_method)
     self.optim = optimizer_config(self.optim, "learner.optim")
     finite_numbers("learner", self)
-    choice("learner.advantage", self.advantage, (*ADVANTAGE_ESTIMATORS, "gae"))
+    algorithm(self.advantage)
     choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
     choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     choice("learner.ref_dtype", self.ref_dtype, REF_DTYPES)
@@ -213,6 +213,11 @@ class LearnerConfig:
                          "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
+
+  @property
+  def algorithm(self) -> Algorithm:
+    """The entry of ``advantage`` (``rft_jax.rl.algorithms``): e.g. whether PPO's critic is needed."""
+    return algorithm(self.advantage)
 
   @property
   def sampling_temperature(self) -> float:
