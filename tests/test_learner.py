@@ -343,14 +343,13 @@ def test_kl_to_reference_and_warmup_cosine_schedule():
 
   model = tiny_model(seed=3)
   batch, _ = synthetic_batch(model, seed=3)
-  noise = 0.3 * jax.random.normal(jax.random.key(5), batch.sampler_logp.shape)
-  batch = batch.replace(ref_logp=batch.sampler_logp + noise * batch.response_mask)
   learner = Learner(model, config(kl_coef=0.5, kl_estimator="k3", schedule="warmup_cosine",
-                                  warmup_steps=2, total_steps=6, lr=1e-3, forecast_every=0))
+                                  warmup_steps=2, total_steps=6, lr=1e-3, forecast_every=0),
+                    reference=tiny_model(seed=4))  # another policy: a KL well away from 0
   state = learner.init(model)
   valid = batch.response_mask[:, 1:] * batch.attention_mask[:, 1:]
   want_kl = float(masked_mean(kl_penalty(learner.batch_stats(state.params, batch).logp,
-                                         batch.ref_logp[:, 1:], "k3"), valid))
+                                         learner.batch_stats(learner.reference, batch).logp, "k3"), valid))
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 6)
   for step in range(3):
     state, metrics = learner.step(state, batch)
@@ -359,9 +358,9 @@ def test_kl_to_reference_and_warmup_cosine_schedule():
       assert metrics["kl"] == pytest.approx(want_kl, rel=1e-4) and want_kl > 0.01
   learner2 = Learner(tiny_model(seed=3), config(kl_coef=0.5))
   state2 = learner2.init(tiny_model(seed=3))  # copies the reference parameters
-  learner2.reference = None  # neither reference parameters nor batch.ref_logp
+  learner2.reference = None  # no reference parameters
   with pytest.raises(ValueError, match="kl_coef > 0 needs reference log-probs"):
-    learner2.step(state2, batch.replace(ref_logp=None))
+    learner2.step(state2, batch)
 
 
 def test_first_response_column_is_the_first_completion_column_rounded_down():

@@ -21,7 +21,7 @@ A step, all inside one ``jax.jit`` with explicit shardings:
    NaN in a weight, an absurd learning rate), the step returns its input state unchanged
    (parameters, optimizer state and step counter) and reports ``nonfinite_skipped = 1``.
 
-With ``kl_coef > 0`` and no ``batch.ref_logp``, the step also runs a no-gradient forward pass of
+With ``kl_coef > 0``, the step also runs a no-gradient forward pass of
 the frozen reference parameters (``rft_jax.rl.reference``; an argument of the compiled step
 beside the state, never donated) for the reference log-probs of the KL term.
 
@@ -54,7 +54,7 @@ the unembedding and ``token_stats``. Every ``[B, L-1]`` per-token array of the s
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.struct
 import jax
@@ -100,8 +100,6 @@ class LearnerBatch:
       with ``input_ids`` (PPO's GAE advantages; read on the completion tokens only).
     sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
       ``logp_mismatch`` metric; the entropy mask's S_* with ``entropy_mask.logp_source=sampler``).
-    ref_logp: optional ``[B, L]`` log-probs under the reference policy (KL term); None: the
-      learner computes them with its reference parameters.
   """
 
   input_ids: jax.Array
@@ -109,7 +107,6 @@ class LearnerBatch:
   response_mask: jax.Array
   advantages: jax.Array
   sampler_logp: jax.Array
-  ref_logp: Optional[jax.Array] = None
 
 
 class Learner(ModelTrainer):
@@ -383,16 +380,10 @@ class Learner(ModelTrainer):
   def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int,
                       token_index=None) -> jax.Array | None:
     """``[B, L-1-p]`` reference log-probs of the tokens from column ``stats_from_column`` on (see
-    :meth:`batch_stats`): ``batch.ref_logp`` if given, else (``kl_coef > 0``) a no-gradient pass
-    of the reference parameters at the sampling temperature, micro-batch by micro-batch like the
-    pre-update pass."""
-    if batch.ref_logp is not None:
-      return batch.ref_logp[:, first_stats_position(stats_from_column) + 1:]
+    :meth:`batch_stats`) when ``kl_coef > 0`` (else None): a no-gradient pass of the reference
+    parameters at the sampling temperature, micro-batch by micro-batch like the pre-update pass."""
     if self.config.kl_coef <= 0:
       return None
-    if reference is None:
-      raise ValueError("learner.kl_coef > 0 needs reference log-probs: the learner's reference "
-                       "parameters (set by Learner.init) or batch.ref_logp")
     return jax.lax.stop_gradient(self.batch_stats(reference, batch, stats_from_column, token_index=token_index).logp)
 
   def _train_step_fn(self, state: TrainState, batch: LearnerBatch, reference=None,
@@ -564,11 +555,10 @@ class Learner(ModelTrainer):
     return jax.ShapeDtypeStruct((c.mini_batches, micro_batches, per_micro, width), jnp.int32,
                                 sharding=self._plan_sharding())
 
-  def _step_reference(self, batch: LearnerBatch, reference=None, state: TrainState | None = None):
-    """The reference parameters a step on ``batch`` takes: None unless ``kl_coef > 0`` and the
-    batch has no ``ref_logp``; else ``reference``, :attr:`reference`, or (``state`` given) the
-    abstract one of :meth:`abstract_reference`."""
-    if self.config.kl_coef <= 0 or batch.ref_logp is not None:
+  def _step_reference(self, reference=None, state: TrainState | None = None):
+    """The reference parameters a step takes: None unless ``kl_coef > 0``; else ``reference``,
+    :attr:`reference`, or (``state`` given) the abstract one of :meth:`abstract_reference`."""
+    if self.config.kl_coef <= 0:
       return None
     if reference is None:
       reference = self.reference
@@ -576,19 +566,19 @@ class Learner(ModelTrainer):
       reference = self.abstract_reference(state.params)
     if reference is None:
       raise ValueError("learner.kl_coef > 0 needs reference log-probs: call Learner.init (it copies "
-                       "the starting parameters, or the constructor's reference) or pass batch.ref_logp")
+                       "the starting parameters, or the constructor's reference)")
     return reference
 
   def lower_step(self, state: TrainState, batch: LearnerBatch, reference=None,
                  stats_from_column: int = 0) -> jax.stages.Lowered:
     """The step lowered for ``state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct`` with
     shardings, e.g. :meth:`abstract_state`): ``.compile().memory_analysis()`` gives its bytes
-    per device (``rft-jax plan``). With ``kl_coef > 0`` and no ``batch.ref_logp`` the step also
+    per device (``rft-jax plan``). With ``kl_coef > 0`` the step also
     takes the reference parameters: ``reference``, else :attr:`reference`, else
     :meth:`abstract_reference` of ``state.params``; they count in the argument bytes.
     ``stats_from_column``: the batch's :func:`first_response_column` (0, the default, gives the
     statistics of every position: an upper bound on the step's memory)."""
-    reference = self._step_reference(batch, reference, state)
+    reference = self._step_reference(reference, state)
     return self._compile(state, batch, reference).lower(state, batch, reference, stats_from_column,
                                                         self.abstract_token_plan(batch))
 
@@ -617,7 +607,7 @@ class Learner(ModelTrainer):
     column = first_response_column(batch.response_mask)
     token_index = self.token_plan(batch)
     batch = self.place_batch(batch)
-    reference = self._step_reference(batch)
+    reference = self._step_reference()
     if self._train_step is None:
       self._train_step = self._compile(state, batch, reference)
     before = jax.tree.map(jnp.copy, state.params) if measure else None  # the step donates state

@@ -151,8 +151,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   batch = LearnerBatch(
       input_ids=token(jnp.int32), attention_mask=token(jnp.int32), response_mask=token(jnp.int32),
       advantages=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=row_sharding),
-      sampler_logp=token(jnp.float32),
-      ref_logp=None)  # with kl_coef > 0, the step computes them from its reference parameters
+      sampler_logp=token(jnp.float32))
   progress(f"compiling the learner step ({rows} rows x {width} tokens) for {topo.name} ...")
   start = time.perf_counter()
   compiled = learner.lower_step(train_state, batch).compile()
