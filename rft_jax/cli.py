@@ -130,10 +130,11 @@ def _sampling_inputs(args: argparse.Namespace):
   import os
 
   from rft_jax.data import FORMATS, load_math_dataset
+  from rft_jax.data.config import DataConfig
+  from rft_jax.data.prompts import prompt_ids, stop_token_ids
   from rft_jax.models import load_hf, load_tokenizer
   from rft_jax.rewards import RewardConfig
-  from rft_jax.train.config import ConfigError, DataConfig
-  from rft_jax.train.loop import prompt_ids, stop_token_ids
+  from rft_jax.train.config import ConfigError
   from rft_jax.train.resolve import reward_config
 
   if args.format is not None and args.format not in FORMATS:
@@ -273,7 +274,7 @@ def _sft(args: argparse.Namespace) -> int:
     if step % args.log_every == 0 or step == config.steps - 1:
       print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
 
-  from rft_jax.train.config import DataConfig
+  from rft_jax.data.config import DataConfig
 
   prompt = DataConfig(system_prompt=args.system_prompt, chat_template=args.chat_template,
                       **({} if args.instruction is None else {"instruction": args.instruction}))

@@ -16,11 +16,11 @@ import argparse
 
 import numpy as np
 
+from rft_jax.data.prompts import prompt_ids, stop_token_ids
 from rft_jax.demo.task import carrying_columns, heldout_problems
 from rft_jax.models import load_hf, load_tokenizer
 from rft_jax.train.config import load_config
 from rft_jax.train.evaluate import evaluate
-from rft_jax.train.loop import prompt_ids, stop_token_ids
 
 
 def main() -> None:

@@ -21,10 +21,10 @@ import time
 import numpy as np
 from flax import nnx
 
+from rft_jax.data.config import DataConfig
 from rft_jax.demo.task import SFT_SEED, addition_problems, heldout_problems, worked_answer
 from rft_jax.demo.tokenizer import build_char_tokenizer
 from rft_jax.models import Qwen, QwenConfig, save_hf
-from rft_jax.train.config import DataConfig
 from rft_jax.train.sft import SFTConfig, sft_files
 
 

@@ -100,12 +100,12 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
   answered by the start and by each run after training, tokens coloured by their Theorem 2 forecast, Clip_B's cut marked) and
   returns its sections ``(title, completions)``."""
   from rft_jax.data import load_math_dataset
+  from rft_jax.data.prompts import prompt_ids, stop_token_ids
   from rft_jax.demo.task import token_class
   from rft_jax.models import load_hf, load_tokenizer
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.train.attribution import attribute, attribution_html
   from rft_jax.train.checkpoint import restore_policy
-  from rft_jax.train.loop import prompt_ids, stop_token_ids
   from rft_jax.train.resolve import reward_config
 
   problems = hardest_problems(load_math_dataset(heldout_path, "jsonl")[0], ATTRIBUTION_PROBLEMS)

@@ -8,6 +8,10 @@ statistics use) run when the config is loaded, not at step 1 on a GPU. Relative 
 (:data:`PATH_KEYS`, each ``eval.sets[i].path``) are resolved against the current directory
 when the config is loaded and kept absolute, so the run's ``config.yaml`` reads the same
 from any directory.
+
+Some sections are defined by the packages they configure: ``data``
+(:class:`rft_jax.data.config.DataConfig`), ``learner`` (:mod:`rft_jax.rl.config`), ``critic``
+(:mod:`rft_jax.rl.critic`), ``rewards`` (:mod:`rft_jax.rewards`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rft_jax.data.config import DataConfig
 from rft_jax.models.config import ATTENTION_KINDS
-from rft_jax.models.tokenizer import CHAT_TEMPLATE_MODES
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
@@ -64,43 +68,6 @@ class ModelConfig:
   def __post_init__(self):
     if self.attention not in ATTENTION_KINDS:
       raise ConfigError(f"model.attention={self.attention!r} is not one of {list(ATTENTION_KINDS)}")
-
-
-@dataclasses.dataclass
-class DataConfig:
-  """Training questions (see ``rft_jax.data``).
-
-  Attributes:
-    train_path: local file or ``save_to_disk`` directory (required).
-    format: ``dapo_math_17k``, ``aime_2024``, ``aime_2025`` or ``jsonl`` (generic).
-    question_field / answer_field: override the format's columns (dotted paths).
-    on_bad_row: ``error`` or ``skip`` (skipped rows are counted and logged).
-    val_size: questions held out of the training set for validation (the paper: 500).
-    prompts_per_step: prompts per training batch.
-    max_prompt_len: longer prompts (in tokens) are filtered out, and counted.
-    system_prompt: optional system message of the chat template.
-    instruction: appended to every question.
-    epochs: passes over the data (None: forever).
-    chat_template: ``auto`` (the tokenizer's chat template when it has one, else plain text),
-      ``chat`` (required) or ``none`` (plain text: system prompt, blank line, question).
-  """
-
-  train_path: str = ""
-  format: str = "jsonl"
-  question_field: Optional[str] = None
-  answer_field: Optional[str] = None
-  on_bad_row: str = "error"
-  val_size: int = 500
-  prompts_per_step: int = 64
-  max_prompt_len: int = 1024
-  system_prompt: Optional[str] = None
-  instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
-  epochs: Optional[int] = None
-  chat_template: str = "auto"
-
-  def __post_init__(self):
-    if self.chat_template not in CHAT_TEMPLATE_MODES:
-      raise ConfigError(f"data.chat_template={self.chat_template!r} is not one of {list(CHAT_TEMPLATE_MODES)}")
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rft_jax.data import MathExample, tokenize_prompts
+from rft_jax.data.prompts import prompt_ids
 from rft_jax.entropy import token_stats
 from rft_jax.eval import avg_at_k, pass_at_k_from_samples
 from rft_jax.parallel import global_array, host_array
@@ -105,8 +106,6 @@ def answer_entropy(model, arrays: dict[str, np.ndarray], temperature: float, row
 def evaluate_problems(run, state, completions: list | None = None) -> dict[str, float]:
   """The periodic evaluation of a training run (validation split + configured sets); with a
   ``completions`` list, every sampled answer is appended to it (with ``set``: the set's name)."""
-  from rft_jax.train.loop import prompt_ids
-
   cfg = run.config
   sets: list[tuple[str, list[MathExample], int]] = []
   if run.validation:

@@ -26,8 +26,9 @@ import numpy as np
 from flax import nnx
 
 from rft_jax import data as data_lib
+from rft_jax.data.config import DataConfig
+from rft_jax.data.prompts import prompt_ids, stop_token_ids
 from rft_jax.models import load_hf, load_tokenizer
-from rft_jax.models.tokenizer import prompt_token_ids
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rewards.user_functions import example_rows
@@ -39,7 +40,7 @@ from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 from rft_jax.sampling import generate, learner_arrays
 from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
-from rft_jax.train.config import DataConfig, TrainConfig
+from rft_jax.train.config import TrainConfig
 from rft_jax.train.debug_log import debug_log
 from rft_jax.train.errors import NonFiniteError, Preempted, RewardError, WriteError
 from rft_jax.train.evaluate import evaluate_problems
@@ -51,17 +52,6 @@ from rft_jax.train.resolve import DTYPES, mesh_axes, reward_config, sampling_par
 from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
 from rft_jax.train.status import logger
 from rft_jax.train.wandb_log import WandbLog
-
-def stop_token_ids(tokenizer: Any, model_eos: Any = None) -> tuple[int, ...]:
-  """End-of-sequence ids: the tokenizer's eos, the model config's, and Qwen's chat markers."""
-  ids = set()
-  for value in (tokenizer.eos_token_id, model_eos):
-    if value is None:
-      continue
-    ids.update([value] if isinstance(value, int) else list(value))
-  vocab = tokenizer.get_vocab()
-  ids.update(vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab)
-  return tuple(sorted(int(i) for i in ids))
 
 
 @dataclasses.dataclass
@@ -135,13 +125,6 @@ def _dropped_prompts(prompts: int, data: DataConfig) -> int:
                    "the last %d prompt(s), too few for another step, are dropped", prompts, data.epochs,
                    prompts * data.epochs // data.prompts_per_step, data.prompts_per_step, dropped)
   return dropped
-
-
-def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
-  """A question's prompt: ``data.instruction`` appended, ``data.system_prompt`` if set, through
-  the chat template or as plain text (``data.chat_template``)."""
-  text = f"{question} {data.instruction}".strip() if data.instruction else question
-  return prompt_token_ids(tokenizer, text, data.system_prompt, data.chat_template)
 
 
 def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any]:

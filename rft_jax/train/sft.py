@@ -17,8 +17,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from rft_jax.data.config import DataConfig
+from rft_jax.data.prompts import prompt_ids
 from rft_jax.entropy import token_stats
-from rft_jax.train.config import DataConfig
 
 
 @dataclasses.dataclass
@@ -105,7 +106,6 @@ def sft_files(model_path: str, data_path: str, out: str, config: SFTConfig, *,
   """
   from rft_jax.data import DatasetError, load_math_dataset
   from rft_jax.models import load_hf, load_tokenizer, save_hf
-  from rft_jax.train.loop import prompt_ids
 
   tokenizer = load_tokenizer(model_path)
   model = load_hf(model_path)
