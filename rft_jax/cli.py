@@ -115,7 +115,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sampling_inputs(args: argparse.Namespace):
-  """Loads the model (HF directory or run directory), its tokenizer and the questions.
+  """Loads the policy (HF directory or run directory: :func:`rft_jax.train.policy.load_policy`) and
+  the questions.
 
   A run directory gives the defaults: its prompt (instruction, system prompt), data format,
   longest answer (``eval.max_new_tokens``, else ``sampling.max_new_tokens``) and reward; for an
@@ -126,36 +127,22 @@ def _sampling_inputs(args: argparse.Namespace):
     :func:`rft_jax.train.evaluate.evaluate` but ``k``, ``temperature`` and ``seed``, and ``config``,
     the run's config (None for an HF directory).
   """
-  import dataclasses
-  import os
-
   from rft_jax.data import FORMATS, load_math_dataset
-  from rft_jax.data.config import DataConfig
-  from rft_jax.data.prompts import prompt_ids, stop_token_ids
-  from rft_jax.models import load_hf, load_tokenizer
-  from rft_jax.rewards import RewardConfig
   from rft_jax.train.config import ConfigError
-  from rft_jax.train.resolve import reward_config
+  from rft_jax.train.policy import load_policy
 
   if args.format is not None and args.format not in FORMATS:
     raise ConfigError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
-  if os.path.exists(os.path.join(args.model, "checkpoints")):
-    from rft_jax.train.checkpoint import restore_policy
-
-    model, cfg, _ = restore_policy(args.model, args.step)
-    tokenizer, data = load_tokenizer(cfg.model.path), cfg.data
-    max_new_tokens = cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
-  else:
-    model, tokenizer, data, cfg = load_hf(args.model), load_tokenizer(args.model), DataConfig(), None
-    max_new_tokens = 1024
-  overrides = {"instruction": args.instruction, "system_prompt": args.system_prompt}
-  data = dataclasses.replace(data, **{k: v for k, v in overrides.items() if v is not None})
-  problems, _ = load_math_dataset(args.data, args.format or (data.format if cfg else "jsonl"), on_bad_row="skip")
-  rewards = reward_config(cfg, [p.question for p in problems]) if cfg else RewardConfig()
-  sampling = dict(max_new_tokens=args.max_new_tokens or max_new_tokens,
-                  stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id), rewards=rewards,
-                  prompt_fn=lambda q: prompt_ids(tokenizer, data, q), config=cfg)
-  return model, tokenizer, problems, sampling
+  policy = load_policy(args.model, step=args.step, instruction=args.instruction,
+                       system_prompt=args.system_prompt)
+  cfg = policy.config
+  max_new_tokens = (cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens) if cfg else 1024
+  problems, _ = load_math_dataset(args.data, args.format or (policy.data.format if cfg else "jsonl"),
+                                  on_bad_row="skip")
+  sampling = dict(max_new_tokens=args.max_new_tokens or max_new_tokens, stop_ids=policy.stop_ids,
+                  rewards=policy.rewards([p.question for p in problems]), prompt_fn=policy.prompt_ids,
+                  config=cfg)
+  return policy.model, policy.tokenizer, problems, sampling
 
 
 def _sample_problems(args: argparse.Namespace, completions: bool = False):

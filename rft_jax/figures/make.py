@@ -100,30 +100,26 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
   answered by the start and by each run after training, tokens coloured by their Theorem 2 forecast, Clip_B's cut marked) and
   returns its sections ``(title, completions)``."""
   from rft_jax.data import load_math_dataset
-  from rft_jax.data.prompts import prompt_ids, stop_token_ids
   from rft_jax.demo.task import token_class
-  from rft_jax.models import load_hf, load_tokenizer
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.train.attribution import attribute, attribution_html
-  from rft_jax.train.checkpoint import restore_policy
-  from rft_jax.train.resolve import reward_config
+  from rft_jax.train.policy import load_policy
 
   problems = hardest_problems(load_math_dataset(heldout_path, "jsonl")[0], ATTRIBUTION_PROBLEMS)
-  policies = []
+  policies = []  # (title, policy); one tokenizer, the first run's
   for run_dir in run_dirs:
-    model, cfg, step = restore_policy(run_dir)
+    trained = load_policy(run_dir, tokenizer=policies[0][1].tokenizer if policies else None)
     if not policies:
-      policies.append(("start (the demo's checkpoint)", load_hf(cfg.model.path), cfg))
-    policies.append((f"{os.path.basename(run_dir)} after {step} steps", model, cfg))
-  tokenizer = load_tokenizer(policies[0][2].model.path)
+      policies.append(("start (the demo's checkpoint)", load_policy(trained.config, tokenizer=trained.tokenizer)))
+    policies.append((f"{os.path.basename(run_dir)} after {trained.step} steps", trained))
   sections = []
-  for title, model, cfg in policies:
+  for title, policy in policies:
+    cfg = policy.config
     completions = attribute(
-        model, tokenizer, problems, prompt_fn=lambda q, cfg=cfg: prompt_ids(tokenizer, cfg.data, q), k=4,
+        policy.model, policy.tokenizer, problems, prompt_fn=policy.prompt_ids, k=4,
         temperature=cfg.sampling.temperature, max_new_tokens=cfg.sampling.max_new_tokens,
-        stop_ids=stop_token_ids(tokenizer, model.config.eos_token_id),
-        rewards=reward_config(cfg, [p.question for p in problems]), lr=cfg.learner.optim.lr,
-        mask=EntropyMaskConfig(kind="clip_b"), seed=0, token_class=token_class)
+        stop_ids=policy.stop_ids, rewards=policy.rewards([p.question for p in problems]),
+        lr=cfg.learner.optim.lr, mask=EntropyMaskConfig(kind="clip_b"), seed=0, token_class=token_class)
     sections.append((title, completions))
   with open(os.path.join(out_dir, "attribution.html"), "w") as f:
     f.write(attribution_html(sections, "Clip_B"))

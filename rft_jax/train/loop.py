@@ -27,8 +27,7 @@ from flax import nnx
 
 from rft_jax import data as data_lib
 from rft_jax.data.config import DataConfig
-from rft_jax.data.prompts import prompt_ids, stop_token_ids
-from rft_jax.models import load_hf, load_tokenizer
+from rft_jax.models import load_hf
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rewards.user_functions import example_rows
@@ -47,8 +46,9 @@ from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metric_names import logged_name
 from rft_jax.train.metrics_log import JsonlFile, MetricsLog, NullLog
 from rft_jax.train.preemption import StopSignals
+from rft_jax.train.policy import load_policy
 from rft_jax.train.preflight import Inputs, validate_for_training
-from rft_jax.train.resolve import DTYPES, mesh_axes, reward_config, sampling_params
+from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
 from rft_jax.train.status import logger
 from rft_jax.train.wandb_log import WandbLog
@@ -80,18 +80,17 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
     return load_hf(path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
                    mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
 
-  model = load(cfg.model.path)
+  policy = load_policy(cfg, load=load)
+  model, tokenizer = policy.model, policy.tokenizer
   logger.info("model %s: %.3gM parameters, %s compute / %s storage, mesh data=%d x model=%d",
               cfg.model.path, sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e6,
               cfg.model.dtype, cfg.model.param_dtype, data_size, model_size)
-  tokenizer = load_tokenizer(cfg.model.path)
   examples, report = inputs.train, inputs.train_report
-  cfg = dataclasses.replace(cfg, rewards=reward_config(cfg, [e.question for e in examples]))
+  cfg = dataclasses.replace(cfg, rewards=policy.rewards([e.question for e in examples]))
   validation = []
   if cfg.data.val_size > 0:
     examples, validation = data_lib.split_validation(examples, cfg.data.val_size, cfg.seed)
-  prompts, too_long = data_lib.tokenize_prompts(examples, lambda q: prompt_ids(tokenizer, cfg.data, q),
-                                                cfg.data.max_prompt_len)
+  prompts, too_long = data_lib.tokenize_prompts(examples, policy.prompt_ids, cfg.data.max_prompt_len)
   stream = data_lib.PromptStream(prompts, prompts_per_step=cfg.data.prompts_per_step, seed=cfg.seed,
                                  epochs=cfg.data.epochs)
   dropped = _dropped_prompts(len(prompts), cfg.data)
@@ -107,8 +106,7 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
   if critic is not None:
     state = ActorCriticState(policy=state, critic=critic_state)
   del reference
-  run = Run(cfg, mesh, learner, tokenizer, stream, validation, inputs.eval_sets,
-            stop_token_ids(tokenizer, model.config.eos_token_id),
+  run = Run(cfg, mesh, learner, tokenizer, stream, validation, inputs.eval_sets, policy.stop_ids,
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
              "train_prompts": len(prompts), "validation_prompts": len(validation),
              "dropped_prompts": dropped}, critic)
