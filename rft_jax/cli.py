@@ -283,8 +283,11 @@ def _plan(args: argparse.Namespace) -> int:
   if kind == "cpu" and count.isdigit() and "jax" not in sys.modules:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={count}").strip()
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import plan
+  from rft_jax.plan.report import format_report
+  from rft_jax.plan.topology import PlanError
   from rft_jax.train.config import load_config
-  from rft_jax.train.plan import PlanError, format_report, plan, topology
 
   cfg = load_config(args.config, args.overrides, required=("model.path",))
   try:

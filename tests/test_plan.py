@@ -92,8 +92,9 @@ def test_plan_reports_bytes_per_device_and_fits(tmp_path, capsys, topology, devi
 def test_plan_counts_a_bfloat16_kl_reference_at_half_the_parameter_bytes(tmp_path):
   """With kl_coef > 0 and ref_dtype=bfloat16 the step's copy of the float32 parameters takes
   half their bytes (the float32 copy is test_plan_reports_bytes_per_device_and_fits's)."""
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import plan
   from rft_jax.train.config import load_config
-  from rft_jax.train.plan import plan, topology
 
   config, _ = _setup(tmp_path)
   report = plan(load_config(config, ["learner.kl_coef=0.1", "learner.ref_dtype=bfloat16"], required=()),
@@ -104,8 +105,9 @@ def test_plan_counts_a_bfloat16_kl_reference_at_half_the_parameter_bytes(tmp_pat
 def test_learner_step_memory_grows_linearly_in_length(tmp_path):
   """The compiled learner step (remat, 2 rows) at T = 4k and 8k: its temporaries about double
   from 4k to 8k with the blockwise attention; with the materialised einsum they quadruple."""
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import plan
   from rft_jax.train.config import load_config
-  from rft_jax.train.plan import plan, topology
 
   config, model = _setup(tmp_path)
 
@@ -126,7 +128,7 @@ def test_learner_step_memory_grows_linearly_in_length(tmp_path):
 
 
 def test_layout_warnings_name_what_is_replicated():
-  from rft_jax.train.plan import layout_warnings
+  from rft_jax.plan.fit import layout_warnings
 
   qwen2_5_7b = QwenConfig.qwen2_5_7b()  # 28 query heads, 4 key/value heads
   assert layout_warnings(qwen2_5_7b, 1) == [] and layout_warnings(qwen2_5_7b, 4) == []

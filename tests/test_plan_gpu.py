@@ -1,7 +1,7 @@
-"""GPU topologies for `rft-jax plan` (rft_jax/train/gpu_topology.py) without the CUDA plugin.
+"""GPU topologies for `rft-jax plan` (rft_jax/plan/gpu_topology.py) without the CUDA plugin.
 
 The suite's venv has no CUDA plugin, so naming a GPU topology must say what to install; the
-target configs under rft_jax/train/gpu_specs/ must parse as GpuTargetConfigProto text. (With the
+target configs under rft_jax/plan/gpu_specs/ must parse as GpuTargetConfigProto text. (With the
 plugin, `rft-jax plan --topology h100:8` compiles for 8 H100s: see the module docstring.)
 """
 
@@ -12,8 +12,9 @@ import importlib.util
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
-from rft_jax.train import gpu_topology as gt
-from rft_jax.train.plan import PlanError, topology
+from rft_jax.plan import gpu_topology as gt
+from rft_jax.plan.devices import topology
+from rft_jax.plan.topology import PlanError
 
 F = descriptor_pb2.FieldDescriptorProto
 # The part of stream_executor.GpuTargetConfigProto (xla/stream_executor/device_description.proto)

@@ -20,10 +20,10 @@ import pytest
 from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
+from rft_jax.plan.fit import while_loop_bodies
 from rft_jax.sampling import SamplingParams, batch_bucket, continuous, generate, loop
 from rft_jax.sampling.generate import program_for
 from rft_jax.train.config import ConfigError, load_config
-from rft_jax.train.plan import while_loop_bodies
 from rft_jax.train.resolve import sampling_params
 
 # Lengths 7, 2, 5, 20, 1, 3, 2: the whole list's width bucket is 24, the first and last slices'

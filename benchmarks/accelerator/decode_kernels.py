@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from speed.sampler import PRESETS, add_decode_shape_arguments  # noqa: E402
 from rft_jax.models import Qwen  # noqa: E402
 from rft_jax.parallel import make_mesh, state_shardings, with_shardings  # noqa: E402
+from rft_jax.plan.devices import topology  # noqa: E402
+from rft_jax.plan.fit import compile_sampler_call, while_loop_bodies  # noqa: E402
 from rft_jax.sampling import SamplingParams  # noqa: E402
 from rft_jax.sampling.loop import LoopSpec  # noqa: E402
-from rft_jax.train.plan import compile_sampler_call, topology, while_loop_bodies  # noqa: E402
 
 
 def loop_kernels(hlo: str) -> dict[str, collections.Counter]:

@@ -19,12 +19,13 @@ devices and CUB versions; a config naming no CUB version gets the fallback, whil
 H100 config, which names one, fails with "invalid device ordinal").
 """
 
-
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
+
+from rft_jax.plan.topology import PlanError, Topology
 
 SPECS = Path(__file__).with_name("gpu_specs")
 # Kind in a topology name -> its target config under gpu_specs/.
@@ -75,7 +76,7 @@ def usable_bytes(kind: str) -> int:
 
 def gpu_topology(name: str):
   """The devices of ``name``: ``h100:N`` (N GPUs on one host), ``h100:HxG`` (H hosts of G GPUs
-  each); likewise ``h200``. Returns a :class:`rft_jax.train.plan.Topology`.
+  each); likewise ``h200``. Returns a :class:`rft_jax.plan.topology.Topology`.
 
   ``hbm_bytes`` is what a JAX process may use of each GPU: the device's memory as the CUDA
   driver reports it (the config's ``device_memory_size``: 79.11 GiB for an H100 80GB, 139.8 GiB
@@ -86,8 +87,6 @@ def gpu_topology(name: str):
   Raises:
     PlanError: a malformed name, or no CUDA plugin (the message says what to install).
   """
-  from rft_jax.train.plan import PlanError, Topology
-
   kind, _, shape = name.partition(":")
   match = re.fullmatch(r"(?:(\d+)x)?(\d+)", shape)
   counts = [int(c) for c in match.groups() if c is not None] if match else []

@@ -8,17 +8,16 @@ accelerator. Only ``config.json`` is read from ``model.path``. The compiler's
 arguments + outputs - aliased (donated) + temporaries, plus what stays resident beside it
 (the optimizer state while the sampler runs), is at most the device's memory.
 
-Topologies: TPU slices by name (``v5p:2x2x1``, ``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ...;
-needs ``libtpu``, the ``tpu`` extra), NVIDIA GPUs (``h100:8``, ``h100:2x8``, ``h200:8``; needs
-jax's CUDA plugin, see :mod:`rft_jax.train.gpu_topology`) and ``cpu:N`` (fake CPU devices;
-memory per device is the host's RAM / N). MaxText's ``train_compile.py`` checks its configs the
-same way.
+Topologies (:func:`rft_jax.plan.devices.topology`): TPU slices by name (``v5p:2x2x1``,
+``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ...; needs ``libtpu``, the ``tpu`` extra), NVIDIA GPUs
+(``h100:8``, ``h100:2x8``, ``h200:8``; needs jax's CUDA plugin, see
+:mod:`rft_jax.plan.gpu_topology`) and ``cpu:N`` (fake CPU devices; memory per device is the
+host's RAM / N). MaxText's ``train_compile.py`` checks its configs the same way. The report in
+words: :func:`rft_jax.plan.report.format_report`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import re
 import time
 from typing import Any
@@ -34,6 +33,7 @@ from rft_jax.models.hf import abstract_model, read_config
 from rft_jax.models.paged_kv import pages_for
 from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
                               state_shardings, with_shardings)
+from rft_jax.plan.topology import GiB, Topology
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import abstract_cache, call_spec, sampler_rules
@@ -41,69 +41,6 @@ from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
-
-GiB = 1024**3
-# Memory per chip as the TPU compiler states it in its out-of-memory messages ("... of N G hbm"),
-# measured with libtpu 0.0.42 (../shared/SCALE.md). Keyed by jax's ``device_kind``.
-TPU_HBM_BYTES = {
-    "TPU v5": int(95.74 * GiB),       # v5p
-    "TPU v5 lite": int(15.75 * GiB),  # v5e
-    "TPU v6 lite": int(31.25 * GiB),  # v6e (Trillium)
-    "TPU v4": int(30.75 * GiB),       # v4, megacore
-}
-
-
-class PlanError(ValueError):
-  """A topology or config that cannot be planned; the message says which and why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  """Devices to compile for (possibly not attached to this process) and memory per device."""
-
-  name: str
-  devices: tuple
-  hbm_bytes: int
-
-
-def topology(name: str) -> Topology:
-  """The devices of ``name``: ``cpu:N``, a TPU topology such as ``v5p:2x2x1``, or GPUs such
-  as ``h100:8``.
-
-  Raises:
-    PlanError: an unknown name, too few CPU devices, no ``libtpu`` or no CUDA plugin.
-  """
-  kind, _, shape = name.partition(":")
-  if kind == "cpu":
-    if not shape.isdigit() or int(shape) < 1:
-      raise PlanError(f"topology {name!r}: expected cpu:N with N >= 1")
-    n, devices = int(shape), jax.devices("cpu")
-    if len(devices) < n:
-      raise PlanError(f"topology {name!r}: only {len(devices)} CPU devices; start with "
-                      f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Topology(name, tuple(devices[:n]), ram // n)
-  if kind.startswith(("h100", "h200")):  # NVIDIA GPUs, deviceless: h100:8, h100:2x8
-    from rft_jax.train.gpu_topology import gpu_topology
-
-    return gpu_topology(name)
-  if not kind.startswith("v") or not shape:
-    raise PlanError(f"topology {name!r}: expected cpu:N, a TPU name like v5p:2x2x1 or GPUs "
-                    f"like h100:8")
-  from jax.experimental import topologies
-
-  # v4 chips have two cores; as one "megacore" device each, the mesh has one device per chip.
-  extra = {"chip_config_name": "megacore"} if kind == "v4" else {}
-  try:
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=name, **extra)
-  except Exception as exc:  # no libtpu, or a name libtpu does not know
-    raise PlanError(f"topology {name!r}: {str(exc).splitlines()[0]} (TPU topologies need "
-                    f"libtpu: pip install 'rft_jax[tpu]')") from exc
-  devices = tuple(desc.devices)
-  kind_name = devices[0].device_kind
-  if kind_name not in TPU_HBM_BYTES:
-    raise PlanError(f"topology {name!r}: unknown memory size of {kind_name!r}")
-  return Topology(name, devices, TPU_HBM_BYTES[kind_name])
 
 
 def _bytes_per_device(tree) -> int:
@@ -299,39 +236,3 @@ def while_loop_bodies(hlo: str) -> dict[str, list[str]]:
       current.append(line)
       bodies += re.findall(r" while\(.*body=%([^,\s]+)", line)
   return {body: computations[body] for body in bodies}
-
-
-def format_report(report: dict[str, Any]) -> str:
-  """The report as a few human-readable lines (GiB per device)."""
-  g = lambda b: f"{b / GiB:.1f}"
-  l, s = report["learner"], report["sampler"]
-  mesh = report["mesh"]
-  lines = [
-      f"{report['topology']}: {report['devices']} x {report['device_kind']}, "
-      f"{g(report['hbm_bytes_per_device'])} GiB each; mesh data={mesh['data']} "
-      f"model={mesh['model']}",
-      f"learner  {l['rows']} rows x {l['sequence_length']} tokens, micro-batch "
-      f"{l['micro_batch_size']}: parameters {g(l['parameter_bytes'])} + optimizer "
-      f"{g(l['optimizer_state_bytes'])} + KL reference {g(l['reference_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
-      f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])} = "
-      f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
-      f"(compiled in {l['compile_seconds']:.0f} s)",
-      f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
-      f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) {_cache_words(s)}: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
-      f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
-      f"optimizer state and reference {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
-      f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
-      *(f"warning: {w}" for w in report["warnings"]),
-      f"fits: {'yes' if report['fits'] else 'NO'}",
-  ]
-  return "\n".join(lines)
-
-
-def _cache_words(s: dict[str, Any]) -> str:
-  """How the sampler report's cache holds its rows, in words."""
-  if s["kv_pages"] is None:
-    return f"x {s['cache_slots']} slots"
-  return (f"on {s['kv_pages']} pages of {s['page_size']} tokens per data shard ({s['prompt_pages']} "
-          f"for the prompts; the rest hold {s['rows_at_full_length']} rows at full length, or keep "
-          f"every slot busy while samples average up to {s['tokens_per_slot']} tokens; "
-          f"{s['max_kv_pages']} pages would fill the device)")

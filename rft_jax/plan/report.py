@@ -1,0 +1,44 @@
+"""The report of :func:`rft_jax.plan.fit.plan` in words: a few lines, GiB per device (``rft-jax
+plan`` without ``--json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rft_jax.plan.topology import GiB
+
+
+def format_report(report: dict[str, Any]) -> str:
+  """The report as a few human-readable lines (GiB per device)."""
+  g = lambda b: f"{b / GiB:.1f}"
+  l, s = report["learner"], report["sampler"]
+  mesh = report["mesh"]
+  lines = [
+      f"{report['topology']}: {report['devices']} x {report['device_kind']}, "
+      f"{g(report['hbm_bytes_per_device'])} GiB each; mesh data={mesh['data']} "
+      f"model={mesh['model']}",
+      f"learner  {l['rows']} rows x {l['sequence_length']} tokens, micro-batch "
+      f"{l['micro_batch_size']}: parameters {g(l['parameter_bytes'])} + optimizer "
+      f"{g(l['optimizer_state_bytes'])} + KL reference {g(l['reference_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
+      f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])} = "
+      f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
+      f"(compiled in {l['compile_seconds']:.0f} s)",
+      f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
+      f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) {_cache_words(s)}: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
+      f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
+      f"optimizer state and reference {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
+      f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
+      *(f"warning: {w}" for w in report["warnings"]),
+      f"fits: {'yes' if report['fits'] else 'NO'}",
+  ]
+  return "\n".join(lines)
+
+
+def _cache_words(s: dict[str, Any]) -> str:
+  """How the sampler report's cache holds its rows, in words."""
+  if s["kv_pages"] is None:
+    return f"x {s['cache_slots']} slots"
+  return (f"on {s['kv_pages']} pages of {s['page_size']} tokens per data shard ({s['prompt_pages']} "
+          f"for the prompts; the rest hold {s['rows_at_full_length']} rows at full length, or keep "
+          f"every slot busy while samples average up to {s['tokens_per_slot']} tokens; "
+          f"{s['max_kv_pages']} pages would fill the device)")
