@@ -159,10 +159,10 @@ def _sample_problems(args: argparse.Namespace, completions: bool = False):
 def _attribute(args: argparse.Namespace) -> int:
   import dataclasses
 
+  from rft_jax.analysis.attribution import attribute, attribution_html, character_class
   from rft_jax.rewards.user_functions import load_function
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.rl.token_methods import configured_class
-  from rft_jax.train.attribution import attribute, attribution_html, character_class
   from rft_jax.train.config import ConfigError
 
   try:
@@ -205,7 +205,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-  from rft_jax.train.plots import plot_runs
+  from rft_jax.analysis.plots import plot_runs
 
   print(plot_runs(args.run_dirs, args.out))
   return 0
@@ -239,7 +239,7 @@ def _figures(args: argparse.Namespace) -> int:
 
 
 def _filter(args: argparse.Namespace) -> int:
-  from rft_jax.train.filter import pass_rate_filter, write_filtered
+  from rft_jax.data.filter import pass_rate_filter, write_filtered
 
   problems, result = _sample_problems(args)
   kept, rates = pass_rate_filter(problems, result["correct"], low=args.low, high=args.high)

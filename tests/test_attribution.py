@@ -1,4 +1,4 @@
-"""Token-level attribution (``rft_jax.train.attribution``): each completion token's Theorem 2
+"""Token-level attribution (``rft_jax.analysis.attribution``): each completion token's Theorem 2
 forecast, the marked entropy mask, the class table and the page."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from loop_fixtures import make_loop_files
+from rft_jax.analysis.attribution import attribute, attribution_html, class_table
 from rft_jax.data import MathExample
 from rft_jax.demo.task import token_class
 from rft_jax.models import load_hf, load_tokenizer
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import EntropyMaskConfig
-from rft_jax.train.attribution import attribute, attribution_html, class_table
 
 
 def test_demo_token_classes_find_the_digits_that_receive_a_carry():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from browser import open_page, problems
+from rft_jax.analysis.attribution import Completion, attribution_html
 from rft_jax.cli import main
 from rft_jax.data import MathExample
 from rft_jax.demo.paths import load_demo_config
@@ -21,7 +22,6 @@ from rft_jax.figures.claims import HELD, NOT_HELD, UNCLEAR
 from rft_jax.figures.page import FigureSection, write_page
 from rft_jax.figures.results import RunResult, load_run
 from rft_jax.figures.runs import finished, method_run, planned_runs, run_all, run_config, run_overrides, sign_run
-from rft_jax.train.attribution import Completion, attribution_html
 from rft_jax.train.config import to_yaml
 
 

@@ -7,8 +7,8 @@ import pytest
 from matplotlib.colors import to_hex
 
 from rft_jax import cli
+from rft_jax.analysis.plots import FRACTION_STYLES, draw_runs, plot_runs
 from rft_jax.train.metric_names import logged_names
-from rft_jax.train.plots import FRACTION_STYLES, draw_runs, plot_runs
 
 RUNS = 4
 

@@ -125,7 +125,7 @@ def test_bad_inputs_give_one_line_errors(setup, tmp_path, capsys):
 
 def test_pass_rate_filter_bounds():
   from rft_jax.data import MathExample
-  from rft_jax.train.filter import pass_rate_filter
+  from rft_jax.data.filter import pass_rate_filter
 
   problems = [MathExample(f"q{i}", "1", str(i)) for i in range(4)]
   correct = np.zeros((4, 16), bool)
@@ -183,14 +183,14 @@ def test_answer_entropy_equals_a_full_forward_in_any_block_size():
 
 
 def test_running_mean_of_the_plots():
-  from rft_jax.train.plots import running_mean
+  from rft_jax.analysis.plots import running_mean
   np.testing.assert_allclose(running_mean([1, 3, 5, 7], 2), [1, 2, 4, 6])
   np.testing.assert_allclose(running_mean([1, 3, 5, 7], 1), [1, 3, 5, 7])
   np.testing.assert_allclose(running_mean([2, 4], 10), [2, 3])
 
 
 def test_forecast_correlation_pairs_forecast_and_measured_of_the_same_step():
-  from rft_jax.train.plots import forecast_correlation
+  from rft_jax.analysis.plots import forecast_correlation
   rng = np.random.default_rng(0)
   forecast = rng.normal(size=20)
   records = [{"step": i, "entropy/forecast": f, "entropy/measured": 1e4 * f + 0.1 * rng.normal()}

@@ -17,8 +17,8 @@ import argparse
 
 import numpy as np
 
+from rft_jax.analysis.plots import forecast_correlation
 from rft_jax.train.metrics_log import read_metrics
-from rft_jax.train.plots import forecast_correlation
 
 FORECASTS = ("entropy/forecast", "entropy/first_order")
 

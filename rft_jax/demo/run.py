@@ -22,11 +22,11 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from rft_jax.analysis.plots import forecast_correlation, plot_runs
 from rft_jax.demo.paths import load_demo_config
 from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_problems, write_problems
 from rft_jax.train.loop import build_run, train
 from rft_jax.train.metrics_log import read_metrics
-from rft_jax.train.plots import forecast_correlation, plot_runs
 from rft_jax.train.preflight import validate_for_training
 
 _PPO = ["learner.advantage=gae", "critic.optim.lr=5e-5", "critic.micro_batch_size=16"]

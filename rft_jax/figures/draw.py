@@ -1,7 +1,7 @@
 """The paper's Figures 1-5 at demo scale, drawn from finished runs (PNG, matplotlib).
 
 Per-step series of the training batch are drawn faintly under their running mean over a quarter
-of the steps (``rft_jax.train.plots.plot_per_step``).
+of the steps (``rft_jax.analysis.plots.plot_per_step``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Mapping, Sequence
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
+from rft_jax.analysis.plots import plot_per_step
 from rft_jax.eval.metrics import pass_rate_histogram
 from rft_jax.figures.claims import minus_covariance
 from rft_jax.figures.results import RunResult
-from rft_jax.train.plots import plot_per_step
 
 GRPO_COLOR = "0.45"
 PANEL_TITLES = {("only", "pos"): "(a) positive samples: only these tokens",

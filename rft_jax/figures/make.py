@@ -3,7 +3,7 @@
 Runs what the figures need (:mod:`rft_jax.figures.runs`, reusing finished runs), reads them back,
 judges each claim (:mod:`rft_jax.figures.claims`), draws Figures 1-5 (:mod:`rft_jax.figures.draw`),
 samples a few held-out answers before and after training for the token attribution
-(:mod:`rft_jax.train.attribution`), and writes ``OUT/index.html`` (:mod:`rft_jax.figures.page`).
+(:mod:`rft_jax.analysis.attribution`), and writes ``OUT/index.html`` (:mod:`rft_jax.figures.page`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
   from rft_jax.data import load_math_dataset
   from rft_jax.demo.task import token_class
   from rft_jax.rl.config import EntropyMaskConfig
-  from rft_jax.train.attribution import attribute, attribution_html
+  from rft_jax.analysis.attribution import attribute, attribution_html
   from rft_jax.train.policy import load_policy
 
   problems = hardest_problems(load_math_dataset(heldout_path, "jsonl")[0], ATTRIBUTION_PROBLEMS)

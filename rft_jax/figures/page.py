@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from rft_jax.analysis.attribution import class_table_html
 from rft_jax.figures.claims import Verdict
-from rft_jax.train.attribution import class_table_html
 
 COLORS = {"held": "#1a7f37", "not held": "#b42318", "unclear": "#9a6700"}
 

@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
+from rft_jax.analysis.plots import metric_series
 from rft_jax.train.metrics_log import read_metrics
-from rft_jax.train.plots import metric_series
 
 
 @dataclasses.dataclass
