@@ -6,8 +6,9 @@ on the held-out answers before and after training, Pass@K, training accuracy ove
 and last quarter of the steps, mask fractions, and the correlation over the steps of the
 Corollary 4 forecast of the entropy change with the measured one) and draws the
 paper-style plots of the three runs into ``RUN_DIR/demo.png``. ``variants=...`` among the
-overrides runs other :data:`VARIANTS` instead: the methods of the paper's Table 3 (Clip-Cov,
-KL-Cov, forking tokens, the unlikeliness reward) on the same learner. It runs from any directory
+overrides runs other :data:`VARIANTS` instead (:mod:`rft_jax.demo.methods`): the methods of the
+paper's Table 3 (Clip-Cov, KL-Cov, forking tokens, the unlikeliness reward) on the same learner.
+It runs from any directory
 (:mod:`rft_jax.demo.paths`): the default config is the repository's ``configs/demo.yaml``,
 and the runs, their data and the compilation cache go under ``RUN_DIR``.
 """
@@ -23,41 +24,14 @@ import jax
 import numpy as np
 
 from rft_jax.analysis.plots import forecast_correlation, plot_runs
+from rft_jax.demo.methods import METHODS
 from rft_jax.demo.paths import load_demo_config
 from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_problems, write_problems
 from rft_jax.train.loop import build_run, train
 from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.preflight import validate_for_training
 
-_PPO = ["learner.advantage=gae", "critic.optim.lr=5e-5", "critic.micro_batch_size=16"]
-VARIANTS = {
-    "grpo": ["learner.entropy_mask.kind=none"],
-    # The released cuts (Clip_B mu- = 2.5, Clip_V mu- = 8.5, negative samples only). Clip_V's
-    # cap on the masked share is raised from the released 1e-4, sized for batches of millions
-    # of tokens, which would allow less than one token of a ~2,700-token demo batch; at 2% it
-    # does not bind (the cut masks ~0.4%: benchmarks/analysis/demo_mask_forecast.py).
-    "clip_b": ["learner.entropy_mask.kind=clip_b"],
-    "clip_v": ["learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"],
-    # The paper's Table 3 comparisons (rft_jax.rl.token_methods). Clip-Cov and KL-Cov keep verl's
-    # covariance bounds and coefficient; their token shares are raised from verl's 2e-4 (under
-    # one token of a demo batch) to 0.2% (about 5 tokens), as Clip_V's cap is above.
-    "clip_cov": ["learner.entropy_method.kind=clip_cov", "learner.entropy_method.clip_cov_ratio=0.002"],
-    # KL-Cov's penalty |log p - log p_old| and its gradient vanish on an on-policy update (ratio 1),
-    # as in verl: with one update per batch it is GRPO. It acts from the second mini-batch on.
-    "kl_cov": ["learner.entropy_method.kind=kl_cov", "learner.entropy_method.kl_cov_ratio=0.002",
-               "learner.mini_batches=4"],
-    "forking": ["learner.entropy_method.kind=forking"],  # the top 20% of tokens by entropy
-    "unlikely": ["learner.beta_rank=0.25"],  # the authors' released recipe
-    # A closed loop (rft_jax.rl.token_methods.entropy_target): Clip_B's cut chosen per batch to
-    # hold the training batches' entropy near 0.02 nats/token (GRPO's falls from about 0.024 in
-    # the first quarter of the run to 0.015 in the last).
-    "target": ["learner.entropy_mask.kind=clip_b", "learner.entropy_mask.target_entropy=0.02"],
-    # PPO with a GAE critic (the paper's Table 4), alone and with the masks (which then read the sign
-    # of each token's GAE advantage, Appendix E.4). The critic learns at the demo policy's rate.
-    "ppo": [*_PPO],
-    "ppo_clip_b": [*_PPO, "learner.entropy_mask.kind=clip_b"],
-    "ppo_clip_v": [*_PPO, "learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"],
-}
+VARIANTS = METHODS  # the demo runs any of them by name
 DEFAULT_VARIANTS = ("grpo", "clip_b", "clip_v")
 
 

@@ -25,6 +25,7 @@ import os
 import time
 from typing import Sequence
 
+from rft_jax.demo.methods import METHODS as DEMO_METHODS
 from rft_jax.train.metrics_log import read_metrics
 
 
@@ -50,12 +51,8 @@ QUICK = FigureSettings(steps=12, heldout=64, seeds=2, clip_b_mus=(1.0, 2.5), cli
 FULL = FigureSettings(steps=60, heldout=256, seeds=3, clip_b_mus=(1.0, 1.5, 2.5, 4.0),
                       clip_v_mus=(4.0, 6.0, 8.5, 12.0))
 
-# The released cuts (rft_jax.entropy.clipping) and the demo's Clip_V cap (rft_jax.demo.run).
-METHODS = {
-    "grpo": ("learner.entropy_mask.kind=none",),
-    "clip_b": ("learner.entropy_mask.kind=clip_b",),
-    "clip_v": ("learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"),
-}
+# The released cuts (rft_jax.entropy.clipping) and the demo's Clip_V cap: the demo's overrides.
+METHODS = {name: DEMO_METHODS[name] for name in ("grpo", "clip_b", "clip_v")}
 DEFAULT_MU = {"clip_b": 2.5, "clip_v": 8.5}
 SIGNS = {"pos": "positive", "neg": "negative"}
 
