@@ -76,7 +76,3 @@ def logged_names(metrics: dict) -> dict:
   """``metrics`` under their logged names."""
   return {logged_name(k): v for k, v in metrics.items()}
 
-
-def eval_name(set_name: str, stat: str) -> str:
-  """The logged name of an evaluation statistic (``avg@8``, ``pass@8``, ``entropy``) of a set."""
-  return f"eval/{set_name}/{stat}"
