@@ -39,7 +39,7 @@ def test_print_config_prints_the_effective_config_and_leaves_the_run_dir_alone(t
   monkeypatch.chdir(tmp_path)
   assert cli.main(["train", "--print-config", "learner.optim.lr=3e-6", "model.path=m"]) == 0
   printed = yaml.safe_load(capsys.readouterr().out)
-  assert printed["learner"]["lr"] == 3e-6 and printed["sampling"]["n"] == 16  # defaults filled in
+  assert printed["learner"]["optim"]["lr"] == 3e-6 and printed["sampling"]["n"] == 16  # defaults filled in
   assert printed["model"]["path"] == str(tmp_path / "m")  # paths absolute
   assert printed["run_dir"] == str(tmp_path / "runs" / "default")
   assert printed["learner"]["temperature"] == 1.0  # derived from sampling.temperature
