@@ -102,6 +102,34 @@ def test_plan_counts_a_bfloat16_kl_reference_at_half_the_parameter_bytes(tmp_pat
   assert report["reference_bytes"] == report["parameter_bytes"] // 2
 
 
+def test_plan_counts_ppos_critic_beside_the_policy(tmp_path, capsys):
+  """learner.advantage=gae (PPO) trains a critic: its parameters (the policy's decoder, no
+  unembedding, and a scalar head) and AdamW moments stay resident beside the learner step and
+  the sampler, and its own step is compiled with the policy's state beside it."""
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import plan
+  from rft_jax.train.config import load_config
+
+  config, _ = _setup(tmp_path)
+  cfg = load_config(config, ["learner.advantage=gae", "critic.micro_batch_size=16"], required=())
+  report = plan(cfg, topology("cpu:8"))
+  learner, critic, sampler = report["learner"], report["critic"], report["sampler"]
+  # The critic's decoder is the policy's without its untied unembedding (256 x 64 floats); the
+  # head adds 65 floats, replicated.
+  assert critic["parameter_bytes"] == learner["parameter_bytes"] - 256 * 64 * 4 // 8 + 65 * 4
+  assert 0 <= critic["optimizer_state_bytes"] - 2 * critic["parameter_bytes"] <= 16
+  critic_state = critic["parameter_bytes"] + critic["optimizer_state_bytes"] + 4  # and its int32 step
+  assert learner["critic_state_bytes"] == learner["resident_bytes"] == critic_state
+  assert critic["resident_bytes"] == learner["parameter_bytes"] + learner["optimizer_state_bytes"]
+  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] + critic_state
+  assert critic["temp_bytes"] > 0 and critic["fits"] and report["fits"]
+  grpo = plan(load_config(config, [], required=()), topology("cpu:8"), sampler=False)
+  assert grpo["critic"] is None and grpo["learner"]["resident_bytes"] == 0
+  assert grpo["learner"]["total_bytes"] == learner["total_bytes"] - critic_state
+  cli.main(["plan", config, "learner.advantage=gae", "critic.micro_batch_size=16", "--topology", "cpu:8"])
+  assert "critic   micro-batch 16: parameters" in capsys.readouterr().out
+
+
 def test_learner_step_memory_grows_linearly_in_length(tmp_path):
   """The compiled learner step (remat, 2 rows) at T = 4k and 8k: its temporaries about double
   from 4k to 8k with the blockwise attention; with the materialised einsum they quadruple."""

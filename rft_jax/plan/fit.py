@@ -1,7 +1,8 @@
 """``rft-jax plan``: will a run fit? Compile its learner step and sampler for a topology, deviceless.
 
-The run's real programs (``Learner``'s train step; ``sample_loop``'s prefill and decode loop at
-the config's batch and maximum length) are compiled for the devices of a named topology with
+The run's real programs (``Learner``'s train step; PPO's critic step when the run's algorithm
+needs a critic; ``sample_loop``'s prefill and decode loop at the config's batch and maximum
+length) are compiled for the devices of a named topology with
 abstract inputs (``jax.ShapeDtypeStruct`` with their shardings): no weights, no data, no
 accelerator. Only ``config.json`` is read from ``model.path``. The compiler's
 ``memory_analysis()`` gives each program's bytes per device; a program fits when its
@@ -34,6 +35,7 @@ from rft_jax.models.paged_kv import pages_for
 from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
                               state_shardings, with_shardings)
 from rft_jax.plan.topology import GiB, Topology
+from rft_jax.rl.critic import Critic, ValueModel
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import abstract_cache, call_spec, sampler_rules
@@ -92,22 +94,33 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   progress(f"compiling the learner step ({rows} rows x {width} tokens) for {topo.name} ...")
   start = time.perf_counter()
   compiled = learner.lower_step(train_state, batch).compile()
-  learner_report = _memory(compiled, topo.hbm_bytes)
+  critic = _abstract_critic(cfg, config, mesh) if cfg.learner.algorithm.needs_critic else None
+  critic_state_bytes = 0 if critic is None else _bytes_per_device(critic[1])  # resident beside the others
+  learner_report = _memory(compiled, topo.hbm_bytes, critic_state_bytes)
   learner_report.update(
       compile_seconds=time.perf_counter() - start,
       parameter_bytes=_bytes_per_device(train_state.params),
       optimizer_state_bytes=_bytes_per_device(train_state.opt_state),
       reference_bytes=_bytes_per_device(learner.abstract_reference(train_state.params) or {}),
+      critic_state_bytes=critic_state_bytes,
       rows=rows, sequence_length=width, micro_batch_size=cfg.learner.micro_batch_size)
   progress(f"learner: {learner_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
            f"{learner_report['compile_seconds']:.0f} s")
+  policy_bytes = (learner_report["parameter_bytes"] + learner_report["optimizer_state_bytes"]
+                  + learner_report["reference_bytes"])
+  critic_report = None
+  if critic is not None:
+    progress(f"compiling the critic step ({rows} rows x {width} tokens) ...")
+    critic_report = _plan_critic_step(*critic, batch, topo, resident=policy_bytes)
+    progress(f"critic: {critic_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
+             f"{critic_report['compile_seconds']:.0f} s")
 
   sampler_report = None
   if sampler:
     progress("compiling the sampler ...")
     sampler_report = _plan_sampler(cfg, config, mesh, graphdef, state, topo,
                                    resident=learner_report["optimizer_state_bytes"]
-                                   + learner_report["reference_bytes"])
+                                   + learner_report["reference_bytes"] + critic_state_bytes)
     progress(f"sampler: {sampler_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
              f"{sampler_report['compile_seconds']:.0f} s")
   return {
@@ -118,10 +131,36 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
                 "hidden_size": config.hidden_size, "dtype": cfg.model.dtype,
                 "param_dtype": cfg.model.param_dtype, "remat": cfg.model.remat,
                 "attention": cfg.model.attention},
-      "learner": learner_report, "sampler": sampler_report,
-      "fits": learner_report["fits"] and (sampler_report is None or sampler_report["fits"]),
+      "learner": learner_report, "critic": critic_report, "sampler": sampler_report,
+      "fits": all(r["fits"] for r in (learner_report, critic_report, sampler_report) if r is not None),
       "warnings": layout_warnings(config, model_axis),
   }
+
+
+def _abstract_critic(cfg: TrainConfig, config: QwenConfig, mesh) -> tuple[Critic, Any]:
+  """PPO's critic for the run (``learner.algorithm.needs_critic``): a value model of the policy's
+  architecture laid out on ``mesh``, and its abstract train state (parameters and AdamW moments)."""
+  value_model = nnx.eval_shape(lambda: ValueModel(config, rngs=nnx.Rngs(0)))
+  graphdef, abstract = nnx.split(value_model)
+  value_model = nnx.merge(graphdef, with_shardings(abstract, state_shardings(abstract, mesh)))
+  critic = Critic(value_model, cfg.critic, mesh=mesh)
+  return critic, critic.abstract_state(nnx.state(value_model, nnx.Param))
+
+
+def _plan_critic_step(critic: Critic, state, batch: LearnerBatch, topo: Topology,
+                      resident: int) -> dict[str, Any]:
+  """The critic's compiled step (one AdamW step of the value loss) on the learner's batch shape;
+  the policy's state (``resident`` bytes) stays beside it."""
+  ids = batch.input_ids
+  shifted = lambda dtype: jax.ShapeDtypeStruct((ids.shape[0], ids.shape[1] - 1), dtype, sharding=ids.sharding)
+  start = time.perf_counter()
+  compiled = critic.lower_step(state, ids, batch.attention_mask, shifted(jnp.int32), shifted(jnp.float32),
+                               shifted(jnp.float32)).compile()
+  report = _memory(compiled, topo.hbm_bytes, resident)
+  report.update(compile_seconds=time.perf_counter() - start, parameter_bytes=_bytes_per_device(state.params),
+                optimizer_state_bytes=_bytes_per_device(state.opt_state),
+                micro_batch_size=critic.config.micro_batch_size)
+  return report
 
 
 def layout_warnings(config: QwenConfig, model_axis: int) -> list[str]:

@@ -13,6 +13,7 @@ def format_report(report: dict[str, Any]) -> str:
   g = lambda b: f"{b / GiB:.1f}"
   l, s = report["learner"], report["sampler"]
   mesh = report["mesh"]
+  critic_state = f" + the critic's state {g(l['resident_bytes'])}" if l["resident_bytes"] else ""
   lines = [
       f"{report['topology']}: {report['devices']} x {report['device_kind']}, "
       f"{g(report['hbm_bytes_per_device'])} GiB each; mesh data={mesh['data']} "
@@ -20,13 +21,14 @@ def format_report(report: dict[str, Any]) -> str:
       f"learner  {l['rows']} rows x {l['sequence_length']} tokens, micro-batch "
       f"{l['micro_batch_size']}: parameters {g(l['parameter_bytes'])} + optimizer "
       f"{g(l['optimizer_state_bytes'])} + KL reference {g(l['reference_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
-      f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])} = "
+      f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])}{critic_state} = "
       f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
       f"(compiled in {l['compile_seconds']:.0f} s)",
+      *_critic_lines(report.get("critic"), g),
       f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
       f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) {_cache_words(s)}: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
-      f"optimizer state and reference {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
+      f"optimizer state, reference and critic {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
       *(f"warning: {w}" for w in report["warnings"]),
       f"fits: {'yes' if report['fits'] else 'NO'}",
@@ -42,3 +44,14 @@ def _cache_words(s: dict[str, Any]) -> str:
           f"for the prompts; the rest hold {s['rows_at_full_length']} rows at full length, or keep "
           f"every slot busy while samples average up to {s['tokens_per_slot']} tokens; "
           f"{s['max_kv_pages']} pages would fill the device)")
+
+
+def _critic_lines(c: dict[str, Any] | None, g) -> list[str]:
+  """PPO's critic step in words (nothing without a critic)."""
+  if c is None:
+    return []
+  return [f"critic   micro-batch {c['micro_batch_size']}: parameters {g(c['parameter_bytes'])} + optimizer "
+          f"{g(c['optimizer_state_bytes'])} GiB; arguments {g(c['argument_bytes'])} + temp {g(c['temp_bytes'])} + "
+          f"outputs-aliased {g(c['output_bytes'] - c['alias_bytes'])} + the policy's state "
+          f"{g(c['resident_bytes'])} = {g(c['total_bytes'])} GiB  {'fits' if c['fits'] else 'DOES NOT FIT'}  "
+          f"(compiled in {c['compile_seconds']:.0f} s)"]

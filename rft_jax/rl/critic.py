@@ -237,6 +237,14 @@ class Critic(ModelTrainer):
     fn = self._jit("values", self._values_fn, state.params, 2, "rows", ())
     return fn(state.params, *self.place_rows((input_ids, attention_mask)))
 
+  def lower_step(self, state: TrainState, input_ids, attention_mask, response_mask, returns,
+                 old_values) -> jax.stages.Lowered:
+    """The step (:meth:`step`) lowered for ``state`` and the arrays (concrete, or abstract
+    ``jax.ShapeDtypeStruct`` with shardings, e.g. :meth:`abstract_state`):
+    ``.compile().memory_analysis()`` gives its bytes per device (``rft-jax plan``)."""
+    fn = self._jit("step", self._step_fn, state, 5, ("state", "replicated"), 0)
+    return fn.lower(state, input_ids, attention_mask, response_mask, returns, old_values)
+
   def step(self, state: TrainState, input_ids, attention_mask, response_mask, returns, old_values):
     r"""One AdamW step of the clipped value loss: ``(state, metrics)`` (floats; ``state`` donated).
 

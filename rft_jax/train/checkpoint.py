@@ -304,7 +304,7 @@ def restore_policy(run_dir: str, step: int | None = None):
   model = load_hf(cfg.model.path)
   learner = Learner(model, cfg.learner)
   template = learner.init(model)
-  if cfg.learner.advantage == "gae":  # PPO's checkpoints hold the critic too; only the policy is used
+  if cfg.learner.algorithm.needs_critic:  # PPO's checkpoints hold the critic too; only the policy is used
     from flax import nnx
 
     from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel

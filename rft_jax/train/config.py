@@ -250,7 +250,7 @@ class TrainConfig:
           f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
           f"learner.mini_batches={self.learner.mini_batches} x learner.micro_batch_size="
           f"{self.learner.micro_batch_size}")
-    if self.learner.advantage == "gae" and rollouts % self.critic.micro_batch_size:
+    if self.learner.algorithm.needs_critic and rollouts % self.critic.micro_batch_size:
       raise ConfigError(f"data.prompts_per_step x sampling.n = {rollouts} rollouts do not split into "
                         f"critic.micro_batch_size={self.critic.micro_batch_size}")
     if (self.mesh.data > 0 and self.learner.micro_batch_tokens is None

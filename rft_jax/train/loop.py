@@ -96,7 +96,7 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
   dropped = _dropped_prompts(len(prompts), cfg.data)
   reference = load(cfg.model.ref_path) if cfg.model.ref_path and cfg.learner.kl_coef > 0 else None
   critic = critic_state = None
-  if cfg.learner.advantage == "gae":  # a copy of the starting policy's decoder (or model.critic_path)
+  if cfg.learner.algorithm.needs_critic:  # a copy of the starting policy's decoder (or model.critic_path)
     value_model = ValueModel.from_policy(load(cfg.model.critic_path) if cfg.model.critic_path else model,
                                          rngs=nnx.Rngs(cfg.seed))
     critic = Critic(value_model, cfg.critic, mesh=mesh)

@@ -57,7 +57,7 @@ def validate_for_training(cfg: TrainConfig, n_devices: int) -> Inputs:
   check_model_dir(cfg.model.path)
   if cfg.model.ref_path and cfg.learner.kl_coef > 0:
     check_model_dir(cfg.model.ref_path, key="model.ref_path", tokenizer=False)
-  if cfg.model.critic_path and cfg.learner.advantage == "gae":
+  if cfg.model.critic_path and cfg.learner.algorithm.needs_critic:
     check_model_dir(cfg.model.critic_path, key="model.critic_path", tokenizer=False)
   train, report = check_training_data(cfg)
   eval_sets = check_eval_sets(cfg)
@@ -92,7 +92,7 @@ def data_parallel_devices(cfg: TrainConfig, n_devices: int) -> int:
       raise ConfigError(f"mesh.model={model} does not divide the {n_devices} devices "
                         f"(mesh.data=-1 takes all of them)")
   critic_micro = cfg.critic.micro_batch_size
-  if cfg.learner.advantage == "gae" and critic_micro % data:
+  if cfg.learner.algorithm.needs_critic and critic_micro % data:
     raise ConfigError(f"critic.micro_batch_size={critic_micro} is not a multiple of the {data} "
                       f"data-parallel devices ({how})")
   micro = cfg.learner.micro_batch_size
