@@ -15,7 +15,7 @@ from jax._src.array import ArrayImpl
 from rft_jax.parallel import make_mesh, shard_model
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling import SamplingParams, generate
-from rft_jax.train.loop import batch_arrays
+from rft_jax.train.step_rollouts import batch_arrays
 from test_learner import config, tiny_model
 
 N = 2
@@ -65,7 +65,7 @@ def reference_batch(chosen):
   """The loop's earlier assembly: each part's full host arrays, each group's rows left-padded to
   the widest prompt bucket, concatenated, then leading all-padding columns trimmed to a
   multiple of 16."""
-  groups = [{k: v[rows] for k, v in part["rollouts"].to_learner_arrays().items()} for part, rows in chosen]
+  groups = [{k: v[rows] for k, v in rollouts.to_learner_arrays().items()} for rollouts, rows in chosen]
   width = max(g["input_ids"].shape[1] for g in groups)
   arrays = {k: np.concatenate([np.pad(g[k], ((0, 0), (width - g[k].shape[1], 0))) for g in groups])
             for k in groups[0]}
@@ -76,7 +76,7 @@ def reference_batch(chosen):
 
 def chosen_groups(setup, on_device: bool):
   """Groups of both parts, interleaved (as dynamic sampling may pick them)."""
-  short, long = ({"rollouts": setup.parts[name][on_device]} for name in ("short", "long"))
+  short, long = (setup.parts[name][on_device] for name in ("short", "long"))
   return [(long, slice(2 * N, 3 * N)), (short, slice(N, 2 * N)), (long, slice(0, N)),
           (short, slice(3 * N, 4 * N))]
 
@@ -92,7 +92,7 @@ def test_the_batch_assembled_on_device_equals_the_host_assembly(setup, monkeypat
     assert isinstance(on_device[key], jax.Array) and isinstance(on_host[key], np.ndarray)
     np.testing.assert_array_equal(np.asarray(on_device[key]), value)
     np.testing.assert_array_equal(on_host[key], value)
-  single = [(g[0], g[1]) for g in chosen_groups(setup, True) if g[0]["rollouts"] is setup.parts["short"][True]]
+  single = [(g[0], g[1]) for g in chosen_groups(setup, True) if g[0] is setup.parts["short"][True]]
   np.testing.assert_array_equal(np.asarray(batch_arrays(single)["input_ids"]),
                                 reference_batch(chosen_groups(setup, False)[1::2])["input_ids"])
 

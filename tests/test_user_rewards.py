@@ -12,7 +12,7 @@ from rft_jax.rewards import RewardConfig, TimeLimitedPool, score_batch
 from rft_jax.rewards.user_functions import load_function
 from rft_jax.train.config import ConfigError, load_config
 from rft_jax.train.errors import RewardError
-from rft_jax.train.loop import check_reward_failures
+from rft_jax.train.step_rollouts import check_reward_failures
 
 MODULE = textwrap.dedent("""
     import time
@@ -138,10 +138,10 @@ def test_nan_rewards_are_errors_and_too_many_failures_stop_the_step(pool, warnin
   with pytest.raises(RewardError, match=r"^step 4: the rewards of 3 of 3 completions \(100%\) could not be "
                      r"computed \(3 errors: raised, or returned NaN, inf or the wrong count; 0 timeouts\), "
                      r"above rewards.max_error_fraction=0.5"):
-    check_reward_failures([{"scored": result}], 4, RewardConfig(functions=["my_rewards:nan_for_odd"]))
-  check_reward_failures([{"scored": result}], 4, RewardConfig(max_error_fraction=1.0))  # 1: never stops
+    check_reward_failures([result], 4, RewardConfig(functions=["my_rewards:nan_for_odd"]))
+  check_reward_failures([result], 4, RewardConfig(max_error_fraction=1.0))  # 1: never stops
   fine = score(pool, ["ab", "cd"], ["1"] * 2, functions=["my_rewards:nan_for_odd"])
-  check_reward_failures([{"scored": result}, {"scored": fine}], 4, RewardConfig(max_error_fraction=0.6))
+  check_reward_failures([result, fine], 4, RewardConfig(max_error_fraction=0.6))
 
 
 def test_a_hanging_function_is_killed_at_the_budget_and_counts_as_a_failure(pool, warnings_logged):
@@ -153,4 +153,4 @@ def test_a_hanging_function_is_killed_at_the_budget_and_counts_as_a_failure(pool
   assert warnings_logged[0].startswith("reward function my_rewards:hangs_batched failed on 2 completion(s): "
                                        "did not return within the batch's 2.0 s; its worker was killed")
   with pytest.raises(RewardError, match=r"0 errors: .*; 2 timeouts\)"):
-    check_reward_failures([{"scored": result}], 0, RewardConfig())
+    check_reward_failures([result], 0, RewardConfig())

@@ -29,19 +29,19 @@ from rft_jax import data as data_lib
 from rft_jax.data.config import DataConfig
 from rft_jax.models import load_hf
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
-from rft_jax.rewards import RewardConfig, score_batch
+from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
 from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
-from rft_jax.sampling import generate, learner_arrays
+from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.debug_log import debug_log
-from rft_jax.train.errors import NonFiniteError, Preempted, RewardError, WriteError
+from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.metric_names import logged_name
 from rft_jax.train.metrics_log import JsonlFile, MetricsLog, NullLog
@@ -51,6 +51,15 @@ from rft_jax.train.preflight import Inputs, validate_for_training
 from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
 from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
 from rft_jax.train.status import logger
+from rft_jax.train.step_rollouts import (
+    SampledRound,
+    StepRollouts,
+    batch_arrays,
+    check_reward_failures,
+    gather,
+    row_advantages,
+    select_groups,
+)
 from rft_jax.train.wandb_log import WandbLog
 
 
@@ -125,8 +134,9 @@ def _dropped_prompts(prompts: int, data: DataConfig) -> int:
   return dropped
 
 
-def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any]:
-  """Rollouts of ``prompts`` with their rewards and the per-completion fields."""
+def sample_round(run: Run, state, prompts: list, seed: int) -> SampledRound:
+  """Stage 1, sample and score: rollouts of ``prompts`` with the policy of ``state``, decoded and
+  rewarded."""
   cfg = run.config
   t0 = time.perf_counter()
   rollouts = generate(run.learner.model(state), [list(p.token_ids) for p in prompts],
@@ -137,70 +147,20 @@ def sample_and_score(run: Run, state, prompts: list, seed: int) -> dict[str, Any
   scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
                        [int(x) for x in rollouts.completion_lengths], cfg.rewards,
                        rows=example_rows(examples))
-  return {"rollouts": rollouts, "scored": scored, "texts": texts, "prompts": prompts,
-          "sample_time": t1 - t0, "reward_time": time.perf_counter() - t1}
+  return SampledRound(prompts, rollouts, texts, scored, t1 - t0, time.perf_counter() - t1)
 
 
-def _select_groups(parts: list[dict], n: int, groups_wanted: int, dynamic: bool) -> list[tuple]:
-  """``groups_wanted`` groups ``(part, rows)`` of ``n`` completions (``rows`` a slice of the
-  part's rollouts), preferring, with ``dynamic``, groups with reward variance (flat groups only
-  fill what refills could not)."""
-  groups = [(part, slice(g * n, (g + 1) * n)) for part in parts for g in range(len(part["rollouts"]) // n)]
-  if dynamic:
-    varied = {id(g): np.ptp(np.asarray(g[0]["scored"].reward)[g[1]]) > 0 for g in groups}
-    groups = [g for g in groups if varied[id(g)]] + [g for g in groups if not varied[id(g)]]
-  return groups[:groups_wanted]
-
-
-def batch_arrays(chosen: list[tuple], multiple: int = 16) -> dict:
-  """The learner arrays (:func:`~rft_jax.sampling.learner_arrays`) of the ``chosen`` groups, in
-  their order, assembled where the rollouts are (on the devices in a run).
-
-  The prompt block is as narrow as the longest chosen prompt allows while the full width stays
-  a multiple of ``multiple`` (a few learner programs per run, not one per width): the sampler
-  left-pads prompts to a length bucket, and the learner would otherwise run its forward and
-  backward passes over columns that are padding in every row.
-  """
-  completion = chosen[0][0]["rollouts"].completion_ids.shape[1]
-  bucket = max(part["rollouts"].prompt_ids.shape[1] for part, _ in chosen)
-  longest = max(int(part["rollouts"].prompt_lengths[part["rollouts"].prompt_index[rows]].max())
-                for part, rows in chosen)
-  width = min(bucket, -(-(completion + longest) // multiple) * multiple - completion)
-  parts = list({id(part): part for part, _ in chosen}.values())  # in order of first use
-  rows = {id(part): [i for p, r in chosen if p is part for i in range(r.start, r.stop)] for part in parts}
-  pieces = [learner_arrays(part["rollouts"], rows[id(part)], width) for part in parts]
-  if len(pieces) == 1:
-    return pieces[0]
-  # Part by part, then back to the groups' order (refills' groups may come between a part's).
-  place = {key: i for i, key in enumerate((id(part), row) for part in parts for row in rows[id(part)])}
-  order = np.asarray([place[id(part), i] for part, r in chosen for i in range(r.start, r.stop)])
-  xp = jnp if isinstance(pieces[0]["input_ids"], jax.Array) else np
-  return {k: xp.concatenate([piece[k] for piece in pieces])[order] for k in pieces[0]}
-
-
-@dataclasses.dataclass
-class StepRollouts:
-  """A step's sampled, scored and selected groups, ready for the learner."""
-
-  batch: LearnerBatch
-  rewards: np.ndarray  # [B] of the selected groups
-  correct: np.ndarray  # [B] bool, the verifier's verdicts
-  chosen: list  # (part, rows) per selected group
-  parts: list  # every sampling round of the step (refills included)
-  refills: int
-  critic_targets: tuple | None = None  # PPO: ([B, L-1] returns, [B, L-1] values at rollout)
-
-  def gather(self, field: str) -> np.ndarray:
-    """:func:`chosen_field` of the selected groups."""
-    return chosen_field(self.chosen, field)
-
-
-def chosen_field(chosen: list[tuple], field: str) -> np.ndarray:
-  """``[B]`` a per-completion host field of the ``chosen`` groups, in batch order:
-  ``completion_lengths`` or ``finish_reason`` of the rollouts, ``reward`` or ``correct`` of the
-  scores."""
-  source = "rollouts" if field in ("completion_lengths", "finish_reason") else "scored"
-  return np.concatenate([np.asarray(getattr(part[source], field))[rows] for part, rows in chosen])
+def sample_rounds(run: Run, state, step: int) -> list[SampledRound]:
+  """Stage 1 for the step: its prompts' round, then, with dynamic sampling, refills until enough
+  groups have rewards that differ (at most ``max_refills``)."""
+  cfg = run.config
+  seed = cfg.seed * 1_000_003 + step * 101
+  rounds = [sample_round(run, state, next(run.stream), seed=seed)]
+  while (cfg.dynamic_sampling and len(rounds) <= cfg.max_refills
+         and sum(r.varied_groups(cfg.sampling.n) for r in rounds) < cfg.data.prompts_per_step):
+    rounds.append(sample_round(run, state, next(run.stream), seed=seed + len(rounds)))
+  check_reward_failures([r.scored for r in rounds], step, cfg.rewards)
+  return rounds
 
 
 def critic_advantages(run: Run, critic_state, arrays: dict, rewards: np.ndarray):
@@ -220,24 +180,15 @@ def critic_advantages(run: Run, critic_state, arrays: dict, rewards: np.ndarray)
 
 
 def step_rollouts(run: Run, state, step: int) -> StepRollouts:
-  """Samples and scores the step's prompts (with dynamic-sampling refills), selects the
-  groups and computes their advantages: the learner's batch of step ``step``."""
+  """The learner's batch of step ``step``: stages 1-3 of a step."""
   cfg = run.config
-  n, groups = cfg.sampling.n, cfg.data.prompts_per_step
-  parts = [sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101)]
-  refills = 0
-  while cfg.dynamic_sampling and refills < cfg.max_refills:
-    varied = sum(np.ptp(np.asarray(p["scored"].reward).reshape(-1, n), axis=1).astype(bool).sum() for p in parts)
-    if varied >= groups:
-      break
-    refills += 1
-    parts.append(sample_and_score(run, state, next(run.stream), seed=cfg.seed * 1_000_003 + step * 101 + refills))
-  check_reward_failures(parts, step, cfg.rewards)
-  chosen = _select_groups(parts, n, groups, cfg.dynamic_sampling)
-  arrays = batch_arrays(chosen)
-  rewards = shaped = chosen_field(chosen, "reward").astype(np.float32)
-  correct = chosen_field(chosen, "correct").astype(bool)
-  if cfg.learner.beta_rank > 0:  # the unlikeliness reward: on the advantages' input only
+  n = cfg.sampling.n
+  rounds = sample_rounds(run, state, step)  # 1. sample and score
+  chosen = select_groups(rounds, n, cfg.data.prompts_per_step, cfg.dynamic_sampling)  # 2. select
+  arrays = batch_arrays([(g.round.rollouts, g.rows) for g in chosen])
+  rewards = shaped = gather(chosen, "reward").astype(np.float32)
+  correct = gather(chosen, "correct").astype(bool)
+  if cfg.learner.beta_rank > 0:  # 3. advantages; the unlikeliness reward shapes their input only
     likelihood = mean_token_logp(arrays["sampler_logp"], arrays["response_mask"])
     shaped = host_array(unlikeliness_rewards(rewards.reshape(-1, n), correct.reshape(-1, n),
                                              likelihood.reshape(-1, n), beta_rank=cfg.learner.beta_rank)).reshape(-1)
@@ -250,72 +201,25 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
                                     **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
                                        if cfg.learner.advantage == "grpo" else {}))
   # Device arrays where the sampler left them: the learner lays them out on its mesh.
-  batch = LearnerBatch(input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"],
-                       response_mask=arrays["response_mask"], advantages=advantages,
-                       sampler_logp=arrays["sampler_logp"])
-  return StepRollouts(batch, rewards, correct, chosen, parts, refills, critic_targets)
-
-
-def check_reward_failures(parts: list[dict], step: int, rewards: RewardConfig) -> None:
-  """Raises :class:`RewardError` if the rewards of more than ``rewards.max_error_fraction`` of
-  the step's completions (``parts``: its sampling rounds) could not be computed."""
-  failed = sum(p["scored"].failures() for p in parts)
-  total = sum(len(p["scored"].reward) for p in parts)
-  if total and failed / total > rewards.max_error_fraction:
-    errors, timeouts = (sum(p["scored"].errors for p in parts), sum(p["scored"].timeouts for p in parts))
-    what = f"rewards.functions={list(rewards.functions)}" if rewards.functions else "the math checks"
-    raise RewardError(
-        f"step {step}: the rewards of {failed} of {total} completions ({failed / total:.0%}) could not be "
-        f"computed ({errors} errors: raised, or returned NaN, inf or the wrong count; {timeouts} "
-        f"timeouts), above rewards.max_error_fraction={rewards.max_error_fraction}; stopping rather than "
-        f"training on zero rewards: see the first failure of each kind logged above, in {what}")
-
-
-def rollout_records(run: Run, step: int, rollouts: StepRollouts, row_stats: dict) -> list[dict]:
-  """One record per completion the learner took at ``step`` (``rollouts.jsonl``), in batch order.
-  ``row_stats`` holds ``[B]`` host arrays: the learner's (``Learner.step(rows=True)``) and
-  ``advantage`` (:func:`row_advantages`)."""
-  records, row = [], 0
-  for part, rows in rollouts.chosen:
-    r = part["rollouts"]
-    prompt = part["prompts"][r.prompt_index[rows.start]]
-    text = run.tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
-    for i in range(rows.start, rows.stop):
-      records.append({
-          "step": step, "prompt": text, "completion": part["texts"][i], "answer": prompt.example.answer,
-          "reward": float(part["scored"].reward[i]), "correct": bool(part["scored"].correct[i]),
-          "length": int(r.completion_lengths[i]),
-          "finish_reason": str(r.finish_reason[i]),
-          **{k: (int(v[row]) if k == "masked_tokens" else float(v[row])) for k, v in row_stats.items()}})
-      row += 1
-  return records
-
-
-def row_advantages(batch: LearnerBatch) -> np.ndarray:
-  """``[B]`` each completion's advantage: GRPO's, or the mean of PPO's token advantages over its
-  tokens (a collective on several processes: every process calls it)."""
-  if np.ndim(batch.advantages) == 1:
-    return np.asarray(host_array(batch.advantages))
-  mask = jnp.asarray(batch.response_mask, jnp.float32)
-  total = jnp.sum(jnp.asarray(batch.advantages) * mask, axis=1)
-  return np.asarray(host_array(total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)))
+  batch = LearnerBatch(advantages=advantages, **arrays)
+  return StepRollouts(rounds, chosen, rewards, correct, batch, critic_targets)
 
 
 def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
-  """One step of the loop; returns the new state and every metric of the step. Every
-  ``log_rollouts_every`` steps the step's completions go to ``rollouts_log`` (a
-  :class:`~rft_jax.train.metrics_log.JsonlFile`), when given."""
-  n = run.config.sampling.n
+  """One step of the loop: sample and score, select, advantages (:func:`step_rollouts`), learn,
+  log. Returns the new state and every metric of the step. Every ``log_rollouts_every`` steps the
+  step's completions go to ``rollouts_log`` (a :class:`~rft_jax.train.metrics_log.JsonlFile`),
+  when given."""
   rollouts = step_rollouts(run, state, step)
-  batch, rewards, parts, refills = rollouts.batch, rollouts.rewards, rollouts.parts, rollouts.refills
+  batch = rollouts.batch
   every = run.config.log_rollouts_every
   policy, critic_state = (state.policy, state.critic) if run.critic is not None else (state, None)
-  t0 = time.perf_counter()
+  t0 = time.perf_counter()  # 4. learn
   if every and step % every == 0:  # on every process: the per-row values are collectives
     policy, metrics, row_stats = run.learner.step(policy, batch, rows=True)
     row_stats["advantage"] = row_advantages(batch)
     if rollouts_log is not None:
-      rollouts_log.write(rollout_records(run, step, rollouts, row_stats))
+      rollouts_log.write(rollouts.records(run.tokenizer, step, row_stats))
   else:
     policy, metrics = run.learner.step(policy, batch)
   learn_time = time.perf_counter() - t0
@@ -326,25 +230,7 @@ def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict
                                                    batch.response_mask[:, 1:], *rollouts.critic_targets)
     metrics.update(critic_metrics, time_critic=time.perf_counter() - t1)
     state = ActorCriticState(policy=policy, critic=critic_state)
-
-  lengths, finish = rollouts.gather("completion_lengths"), rollouts.gather("finish_reason")
-  correct = rollouts.correct
-  all_rewards = np.concatenate([np.asarray(p["scored"].reward) for p in parts]).reshape(-1, n)
-  sample_time = sum(p["sample_time"] for p in parts)
-  tokens = int(sum(p["rollouts"].completion_lengths.sum() for p in parts))
-  metrics.update({
-      "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-      "accuracy": float(correct.mean()),
-      "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
-      "truncated_frac": float(np.mean(finish == "length")),
-      "zero_variance_group_frac": float(np.mean(np.ptp(all_rewards, axis=1) == 0)),
-      "refills": float(refills),
-      "reward_timeouts": float(sum(p["scored"].timeouts for p in parts)),
-      "reward_errors": float(sum(p["scored"].errors for p in parts)),
-      "reward_over_budget": float(sum(p["scored"].over_budget for p in parts)),
-      "time_sample": sample_time, "time_reward": sum(p["reward_time"] for p in parts),
-      "time_learner": learn_time, "sample_tokens_per_s": tokens / max(sample_time, 1e-9),
-  })
+  metrics.update(rollouts.metrics(run.config.sampling.n), time_learner=learn_time)  # 5. log
   return state, metrics
 
 
