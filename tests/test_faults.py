@@ -542,3 +542,25 @@ def test_a_checksum_changes_with_one_flipped_bit_or_moved_values():
   flipped_sums = state_checksums({"a": jnp.asarray(flipped), "b": b})
   assert flipped_sums["['a']"] != sums["['a']"] and flipped_sums["['b']"] == sums["['b']"]
   assert state_checksums({"a": jnp.asarray(a[::-1].copy()), "b": b})["['a']"] != sums["['a']"]  # moved
+
+
+def test_after_a_failed_save_orbaxs_unawaited_coroutines_go_to_the_debug_log(tmp_path):
+  """Orbax's writes abandoned by a failed save warn "coroutine ... was never awaited" when they
+  are collected, at exit, after the run's one error line: those go to the debug log, not the
+  console; other warnings, and the same warning before a save failed, are shown as before."""
+  import warnings
+
+  from rft_jax.train.debug_log import debug_log, linger
+
+  unawaited = "coroutine 'async_serialize_from_host.<locals>.write_fragment' was never awaited"
+  with warnings.catch_warnings(record=True) as shown:  # what would reach the console
+    warnings.simplefilter("always")
+    with debug_log(str(tmp_path)) as path:
+      warnings.warn(unawaited, RuntimeWarning)  # no save has failed: shown
+      linger()
+    warnings.warn(unawaited, RuntimeWarning)  # lingering after the failure: the debug log's
+    warnings.warn("something else", RuntimeWarning)
+    with debug_log(str(tmp_path / "next")):  # the next run releases the lingering one
+      pass
+  assert [str(w.message) for w in shown] == [unawaited, "something else"]
+  assert "RuntimeWarning: " + unawaited in open(path).read()

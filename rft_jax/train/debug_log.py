@@ -3,7 +3,8 @@
 A fault ends a run with one line on the console (:mod:`rft_jax.train.errors`); the details a
 developer wants afterwards go here: the tracebacks of a checkpoint save that failed, and the
 records of the libraries that write checkpoints (:data:`LIBRARY_LOGGERS`: orbax logs through
-absl, and its failed writes leave asyncio's "exception was never retrieved"; TensorStore prints
+absl, and its failed writes leave asyncio's "exception was never retrieved" and, collected at
+exit, "coroutine ... was never awaited" warnings; TensorStore prints
 its callbacks' errors through ``sys.unraisablehook``: those whose traceback starts in
 :data:`LIBRARY_PACKAGES`). All of these otherwise reach the console: a save that fails on a full
 disk printed hundreds of lines of tracebacks. The run's status lines are copied in for context.
@@ -22,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 
 from rft_jax.train.status import logger
@@ -58,6 +60,16 @@ class _Redirect:
     for library in self.libraries:
       library.propagate = False
     sys.excepthook, sys.unraisablehook = self._excepthook, self._unraisablehook
+    self.showwarning = warnings.showwarning
+    warnings.showwarning = self._showwarning
+
+  def _showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
+    """After a failed save (:func:`linger`), the "coroutine ... was never awaited" warnings of
+    orbax's abandoned writes, collected at exit, to the debug log; every other warning as before."""
+    if self.linger and issubclass(category, RuntimeWarning) and "was never awaited" in str(message):
+      debug_logger.warning("%s: %s", category.__name__, message)
+    else:
+      self.showwarning(message, category, filename, lineno, file, line)
 
   def _excepthook(self, kind, value, tb) -> None:
     """An error a library's C code printed (TensorStore's callbacks on a closed event loop, after
@@ -79,6 +91,8 @@ class _Redirect:
       sys.excepthook = self.excepthook
     if sys.unraisablehook == self._unraisablehook:
       sys.unraisablehook = self.unraisablehook
+    if warnings.showwarning == self._showwarning:
+      warnings.showwarning = self.showwarning
     for library, was in zip(self.libraries, self.propagate):
       library.propagate = was
     for target in (debug_logger, logger, *self.libraries):
