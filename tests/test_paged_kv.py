@@ -1,6 +1,6 @@
 """The paged KV cache (``rft_jax.models.paged_kv``): prompts shifted into pages, one token
 written per slot, and paged attention equal to the dense cache's, by XLA and by jax's Pallas
-GPU kernel (run in Pallas' interpret mode here)."""
+GPU kernel (in Pallas' interpret mode here; on a GPU, also the real Triton kernel)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ from rft_jax.models.paged_kv import (PagedKVCache, paged_attention, pages_for, p
 
 RNG = np.random.default_rng(0)
 K, N, P, H, G = 2, 24, 4, 16, 3  # kv heads, pages, page size, head width, queries per kv head
+# The kinds this backend runs, and how close each is to the dense float32 reference (Triton's
+# float32 products on a GPU round their inputs to TF32).
+KINDS = ["xla", "pallas_gpu_interpret"] + (["pallas_gpu"] if jax.default_backend() == "gpu" else [])
+ATOL = {"xla": 2e-6, "pallas_gpu_interpret": 2e-6, "pallas_gpu": 5e-3}
 
 
 def _pages_and_tables(slots=5, width=4):
@@ -35,16 +39,16 @@ def _dense_reference(q, k, v, tables, lengths):
   return attend_cache(q[:, None], keys, values, mask)[:, 0]
 
 
-@pytest.mark.parametrize("kind", ["xla", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_paged_attention_equals_the_dense_cache(kind):
   k, v, tables = _pages_and_tables()
   lengths = jnp.asarray([1, 5, 16, 9, 4], jnp.int32)  # one token, a page, a full table, ...
   q = jnp.asarray(RNG.normal(size=(5, K * G, H)), jnp.float32)
   np.testing.assert_allclose(paged_attention(q, k, v, tables, lengths, kind=kind),
-                             _dense_reference(q, k, v, tables, lengths), atol=2e-6)
+                             _dense_reference(q, k, v, tables, lengths), atol=ATOL[kind])
 
 
-@pytest.mark.parametrize("kind", ["xla", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tokens_past_the_length_do_not_count(kind):
   k, v, tables = _pages_and_tables()
   lengths = jnp.asarray([3, 4, 7, 1, 9], jnp.int32)
@@ -56,7 +60,7 @@ def test_tokens_past_the_length_do_not_count(kind):
   np.testing.assert_array_equal(paged_attention(q, k2, v2, tables, lengths, kind=kind), before)
 
 
-@pytest.mark.parametrize("kind", ["xla", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_paged_attention_under_vmap_reads_each_shards_own_pages(kind):
   """Per-data-shard pools (``rft_jax.sampling.paged_shards``) vmap the decode step over a
   leading shard axis: each shard's block tables index its own pages."""
@@ -67,7 +71,7 @@ def test_paged_attention_under_vmap_reads_each_shards_own_pages(kind):
   out = jax.vmap(functools.partial(paged_attention, kind=kind))(q, k, v, tables, lengths)
   for d in range(2):
     np.testing.assert_allclose(out[d], _dense_reference(q[d], k[d], v[d], tables[d], lengths[d]),
-                               atol=2e-6)
+                               atol=ATOL[kind])
 
 
 def test_prompt_pages_shift_left_padded_rows_to_their_pages():
@@ -99,6 +103,11 @@ def test_write_token_goes_to_the_slots_page_and_offset():
 def test_resolve_kind():
   assert resolve_kind("auto", "tpu") == "pallas_tpu"
   assert resolve_kind("auto", "gpu") == "pallas_gpu"
+  # Triton's blocks are powers of two and its products need 16 or more: else XLA's gather.
+  assert resolve_kind("auto", "gpu", page_size=16, head_dim=64) == "pallas_gpu"
+  assert resolve_kind("auto", "gpu", page_size=12, head_dim=64) == "xla"
+  assert resolve_kind("auto", "gpu", page_size=16, head_dim=8) == "xla"
+  assert resolve_kind("auto", "tpu", page_size=12, head_dim=8) == "pallas_tpu"
   assert resolve_kind("auto", "cpu") == "xla"
   assert resolve_kind("xla", "gpu") == "xla"
   with pytest.raises(ValueError, match="not one of"):

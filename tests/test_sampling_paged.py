@@ -15,7 +15,7 @@ from flax import nnx
 from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
-from rft_jax.sampling import continuous, generate
+from rft_jax.sampling import generate
 from rft_jax.sampling.continuous import PoolSpec, sample_pool_cpu
 from rft_jax.sampling.generate import sampler_rules
 from rft_jax.sampling.loop import layer_indices
@@ -79,19 +79,15 @@ def test_paged_on_the_mesh_equals_one_device(tmp_path):
   assert held == {f"1,{c.num_key_value_heads // 2}"}, held
 
 
-def test_pallas_gpu_kernel_in_the_shards_pools(tmp_path, monkeypatch):
+def test_pallas_gpu_kernel_in_the_shards_pools(tmp_path):
   """jax's Pallas GPU paged attention (interpret mode on CPU) vmapped over two data shards'
   pools, evicting: the static program's samples."""
   ckpt = make_tiny_qwen(tmp_path, "qwen2", tie=False, kv_heads=2)
   reference = generate(load_hf(ckpt), PROMPTS, STATIC, seed=3)
-  monkeypatch.setattr(continuous, "resolve_kind", lambda kind, platform: "pallas_gpu_interpret")
   mesh = make_mesh(data=2, model=1)
-  params = _paged(STATIC, decode_slots=8, kv_pages=54, page_size=4)  # 4 prompts: 32 + 18 + 4
-  sample_pool_cpu.clear_cache()  # the kind is not part of the compiled program's key
-  try:
-    out = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
-  finally:
-    sample_pool_cpu.clear_cache()
+  params = _paged(STATIC, decode_slots=8, kv_pages=54, page_size=4,  # 4 prompts: 32 + 18 + 4
+                  paged_attention="pallas_gpu_interpret")
+  out = generate(load_hf(ckpt, mesh=mesh), PROMPTS, params, seed=3, mesh=mesh)
   _assert_same_samples(out, reference)
   assert out.evictions > 0
 

@@ -11,6 +11,10 @@
 #             (benchmarks/speed/token_stats_memory.py);
 #   learner   the learner's step time with and without the masks
 #             (benchmarks/speed/learner_overhead.py);
+#   paged     the paged KV cache on the GPU: the paged-attention and paged-sampler tests (the
+#             real Pallas GPU kernel beside XLA's gather), the kernel against the live bytes
+#             (benchmarks/accelerator/paged_attention.py), and long-tailed rollouts, static
+#             against continuous against paged (benchmarks/accelerator/longtail_sampler.py);
 #   tests     the single-device tests, run on the GPU (tests of the 8-device fake CPU mesh, of
 #             multi-host and the slow end-to-end ones are deselected).
 # Each command stops after $SECTION_TIMEOUT seconds (default 600).  Logs go to $OUT (or runs/gpu).
@@ -48,6 +52,14 @@ for section in "${sections[@]}"; do
       run python3 benchmarks/speed/token_stats_memory.py 2>&1 | log token_stats_memory ;;
     learner)
       run python3 benchmarks/speed/learner_overhead.py --batch 64 --completion 256 --vocab 151936 2>&1 | log learner_overhead ;;
+    paged)
+      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run python3 -m pytest -q \
+        -p no:cacheprovider -rf --tb=short -k "not mesh and not shards" \
+        tests/test_paged_kv.py tests/test_sampling_paged.py 2>&1 | log pytest_paged
+      run python3 benchmarks/accelerator/paged_attention.py --kinds xla pallas_gpu 2>&1 | log paged_attention
+      run python3 benchmarks/accelerator/longtail_sampler.py --preset 0.5b --prompts 16 --n 8 \
+        --max-new 1024 --rounds 1 --settings static continuous:64 paged:64:2048 \
+        paged:64:2048:xla 2>&1 | log longtail_paged_0.5b ;;
     tests)
       # four workers share the GPU, each allocating on demand (compilation is the cost)
       JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run python3 -m pytest -n 4 --dist loadfile \
@@ -56,7 +68,7 @@ for section in "${sections[@]}"; do
         tests/test_token_stats.py tests/test_entropy_theory.py tests/test_rl_losses.py tests/test_clipping.py \
         tests/test_models_forward.py tests/test_models_cache.py tests/test_models_hf_io.py \
         tests/test_sampling.py tests/test_sampling_parts.py tests/test_learner.py 2>&1 | log pytest_gpu ;;
-    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, tests)"
+    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, paged, tests)"
        exit 2 ;;
   esac
 done

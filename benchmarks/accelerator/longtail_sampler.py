@@ -10,10 +10,11 @@ lengths about geometric; the mean length is printed). ``--fixed``: no stop ids, 
 ``--max-new`` tokens (a decode step's cost: seconds / max-new). Each setting (``static``, or
 ``continuous:SLOTS``, SLOTS ``-`` for one slot per row) compiles on a first call, then the
 settings take turns for ``--rounds`` rounds; the table gives each one's median seconds and
-tokens per second.
+tokens per second. ``paged:SLOTS:PAGES[:KIND]`` decodes on a paged KV cache of ``PAGES`` pages
+of 16 tokens with paged attention ``KIND`` (``auto``: the platform's Pallas kernel; ``xla``).
 
     python benchmarks/accelerator/longtail_sampler.py --preset 0.5b --prompts 16 --n 8 --max-new 1024 \\
-        --settings static continuous:- continuous:64
+        --settings static continuous:- continuous:64 paged:64:4096 paged:64:4096:xla
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 
 
 def setting_params(setting: str, base: SamplingParams) -> SamplingParams:
-  """``static`` or ``continuous:SLOTS`` as sampler parameters."""
-  scheduler, _, slots = setting.partition(":")
-  return SamplingParams(**{**base.__dict__, "scheduler": scheduler,
-                           "decode_slots": None if slots in ("", "-") else int(slots)})
+  """``static``, ``continuous:SLOTS`` or ``paged:SLOTS:PAGES[:KIND]`` as sampler parameters."""
+  parts = setting.split(":")
+  scheduler, slots, pages, kind = parts + ["-", "-", "auto"][len(parts) - 1:]
+  fields = {"scheduler": "continuous" if scheduler == "paged" else scheduler,
+            "decode_slots": None if slots == "-" else int(slots)}
+  if scheduler == "paged":
+    fields.update(kv_pages=int(pages), paged_attention=kind)
+  return SamplingParams(**{**base.__dict__, **fields})
 
 
 def main() -> None:

@@ -146,9 +146,9 @@ def paged_attention(q: Float[Array, "S N H"], k_pages: Float[Array, "K N P H"],
     return tpu_kernel(scaled, k_pages, v_pages, lengths, pages, pages_per_compute_block=per_block)
   if kind in ("pallas_gpu", "pallas_gpu_interpret"):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_kernel
-    per_block = _pages_per_block(pages.shape[1])
+    pages, per_block, splits = _gpu_block_tables(pages, k_pages.shape[2])
     return gpu_kernel(scaled, k_pages, v_pages, pages, lengths, pages_per_compute_block=per_block,
-                      k_splits=max(1, pages.shape[1] // per_block),
+                      k_splits=splits,
                       interpret=kind == "pallas_gpu_interpret")
   if kind != "xla":
     raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
@@ -172,10 +172,36 @@ def _pages_per_block(pages_per_slot: int, most: int = 8) -> int:
   return max(d for d in range(1, min(most, pages_per_slot) + 1) if pages_per_slot % d == 0)
 
 
-def resolve_kind(kind: str, platform: str) -> str:
-  """``auto``: the Pallas kernel of ``platform`` (TPU, GPU), ``xla`` elsewhere."""
+def _gpu_block_tables(pages: Int[Array, "S W"], page_size: int, block_keys: int = 64,
+                      most_splits: int = 16) -> tuple[Int[Array, "S W2"], int, int]:
+  """Block tables for the Pallas GPU kernel (Triton): ``(tables, pages per compute block,
+  splits)``. A compute block holds ``block_keys`` keys (a power of two of pages, at least 16
+  keys); each of at most ``most_splits`` splits of a table takes a power of two of blocks, and
+  the tables are padded with page 0 to fill them (the kernel stops at a slot's length, so the
+  padding is never read)."""
+  per_block = max(1, block_keys // page_size)
+  blocks = -(-pages.shape[1] // per_block)
+  splits = min(most_splits, blocks)
+  per_split = 1 << (-(-blocks // splits) - 1).bit_length()
+  width = splits * per_split * per_block
+  return jnp.pad(pages, ((0, 0), (0, width - pages.shape[1]))), per_block, splits
+
+
+def gpu_kernel_fits(page_size: int, head_dim: int) -> bool:
+  """Whether the Pallas GPU kernel (Triton) takes these shapes: power-of-two pages and a head
+  dimension of a power of two of at least 16 (Triton's matrix products)."""
+  def power_of_two(x):
+    return x > 0 and x & (x - 1) == 0
+  return power_of_two(page_size) and power_of_two(head_dim) and head_dim >= 16
+
+
+def resolve_kind(kind: str, platform: str, page_size: int = 16, head_dim: int = 128) -> str:
+  """``auto``: the Pallas kernel of ``platform`` (TPU; GPU where :func:`gpu_kernel_fits`),
+  ``xla`` elsewhere."""
   if kind not in PAGED_ATTENTION_KINDS:
     raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
   if kind != "auto":
     return kind
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+  if platform in ("gpu", "cuda"):
+    return "pallas_gpu" if gpu_kernel_fits(page_size, head_dim) else "xla"
+  return "pallas_tpu" if platform == "tpu" else "xla"

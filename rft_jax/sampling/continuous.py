@@ -86,16 +86,19 @@ class PoolSpec(DecodeSpec):
       each shard of the mesh's ``data`` axis runs its own pool); None: a cache row of ``P + M``
       slots per decode slot.
     page_size: tokens per page.
+    paged_attention: the paged attention's kind (``SamplingParams.paged_attention``).
   """
 
   slots: tuple[int, ...] = ()
   kv_pages: int | None = None
   page_size: int = 16
+  paged_attention: str = "auto"
 
   @classmethod
   def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
     return cls(slots=pool_sizes(rows, params.decode_slots, pool_stages(params), data),
                kv_pages=params.kv_pages, page_size=params.page_size,
+               paged_attention=params.paged_attention,
                **DecodeSpec.fields_of(params, cache_dtype))
 
 
@@ -201,7 +204,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype)
     pool_axes = pool_cache.logical_axes()
     pool_cache = constrain(pool_cache, pool_axes, mesh, rules)
-  paged_kind = resolve_kind("auto", platform)
+  paged_kind = resolve_kind(spec.paged_attention, platform, spec.page_size, model.config.head_dim)
   pool = PoolState(
       admitted=jnp.zeros((), jnp.int32),
       sample=jnp.full((size,), r, jnp.int32),

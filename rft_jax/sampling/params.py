@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rft_jax.models.paged_kv import PAGED_ATTENTION_KINDS
+
 SCHEDULERS = ("continuous", "static")
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,11 @@ class SamplingParams:
       ``D x kv_pages`` pages in all. Samples wait (or are evicted and decoded again) when their
       shard's pages run out. None: a full-width cache row per slot. ``rft-jax plan`` sizes it
       from memory.
-    page_size: tokens per page of the paged cache (a multiple of 8 suits the Pallas kernels).
+    page_size: tokens per page of the paged cache (a power of two suits the Pallas kernels).
+    paged_attention: attention over the pages (``rft_jax.models.paged_kv``): ``auto`` (jax's
+      Pallas kernel on a TPU, and on a GPU where Triton takes the shapes; XLA's gather
+      elsewhere), ``xla``, ``pallas_gpu``, ``pallas_tpu``. The same samples to the kernels'
+      rounding.
   """
 
   n: int = 1
@@ -96,6 +102,7 @@ class SamplingParams:
   pool_stages: int = 5
   kv_pages: int | None = None
   page_size: int = 16
+  paged_attention: str = "auto"
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -109,6 +116,9 @@ class SamplingParams:
     _check_int("min_segment_tokens", self.min_segment_tokens, minimum=1)
     _check_int("pool_stages", self.pool_stages, minimum=1)
     _check_int("page_size", self.page_size, minimum=1)
+    if self.paged_attention not in PAGED_ATTENTION_KINDS:
+      raise ValueError(f"SamplingParams.paged_attention={self.paged_attention!r} must be one of "
+                       f"{PAGED_ATTENTION_KINDS}")
     if self.scheduler not in SCHEDULERS:
       raise ValueError(f"SamplingParams.scheduler={self.scheduler!r} must be one of {SCHEDULERS}")
     if self.decode_slots is not None:

@@ -31,6 +31,7 @@ from rft_jax.models.config import ATTENTION_KINDS
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
+from rft_jax.models.paged_kv import PAGED_ATTENTION_KINDS
 from rft_jax.sampling.params import SCHEDULERS
 from rft_jax.train.renamed_keys import rename_keys, renamed_overrides
 
@@ -89,6 +90,8 @@ class SamplingConfig:
   prompts, prompts included (memory that follows the live tokens; samples wait, or are
   evicted and decoded again, when their shard's pages run out; ``rft-jax plan`` prints the
   pages that fit). None: a full-width cache row per decode slot. Same completions.
+  ``paged_attention``: ``auto`` (jax's Pallas kernel on TPUs and GPUs, XLA's gather
+  elsewhere), ``xla``, ``pallas_gpu`` or ``pallas_tpu`` (``SamplingParams.paged_attention``).
   """
 
   n: int = 16
@@ -101,6 +104,7 @@ class SamplingConfig:
   decode_slots: Optional[int] = None
   kv_pages: Optional[int] = None
   page_size: int = 16
+  paged_attention: str = "auto"
 
 
 @dataclasses.dataclass
@@ -278,6 +282,9 @@ class TrainConfig:
                         f"{self.sampling.scheduler!r}")
     if self.sampling.page_size < 1:
       raise ConfigError(f"sampling.page_size={self.sampling.page_size} must be >= 1")
+    if self.sampling.paged_attention not in PAGED_ATTENTION_KINDS:
+      raise ConfigError(f"sampling.paged_attention={self.sampling.paged_attention!r} is not one of "
+                        f"{list(PAGED_ATTENTION_KINDS)}")
     if self.learner.temperature is None:
       self.learner.temperature = self.sampling.temperature
     elif self.learner.temperature != self.sampling.temperature:

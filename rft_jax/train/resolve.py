@@ -31,7 +31,7 @@ def sampling_params(cfg: TrainConfig, stop_ids: Sequence[int]) -> SamplingParams
                         max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop_ids),
                         max_rollouts_per_call=s.max_rollouts_per_call, scheduler=s.scheduler,
                         decode_slots=s.decode_slots, kv_pages=s.kv_pages,
-                        page_size=s.page_size)
+                        page_size=s.page_size, paged_attention=s.paged_attention)
 
 
 def reward_config(cfg: TrainConfig, questions: Sequence[str]) -> RewardConfig:
