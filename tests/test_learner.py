@@ -10,6 +10,7 @@ from flax import nnx
 
 from rft_jax.models import Qwen, QwenConfig
 from rft_jax.parallel import make_mesh, shard_model
+from rft_jax.entropy import batch_entropy_change
 from rft_jax.rl.batching import first_response_column
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner, LearnerBatch
@@ -397,3 +398,38 @@ def test_completion_only_statistics_equal_full_width(tiny, micro, loss_agg):
     np.testing.assert_allclose(r1[key], r2[key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5)
+
+
+def test_off_policy_forecast_is_corollary_3_of_each_update_at_its_own_parameters():
+  """With two mini-batches, ``entropy_change_forecast_off_policy`` sums each update's Corollary 3
+  forecast, weighted by its share of the batch's loss tokens: the first at the starting
+  parameters (ratio 1: Corollary 4 on its half), the second at the parameters the first left,
+  its tokens' steps ``r A`` with ``r`` against the batch's pre-update log-probs. Recomputed here
+  from a learner that takes the first update alone."""
+  lr = 1e-2
+  model = tiny_model()
+  batch, _ = synthetic_batch(model)
+  learner = Learner(model, config(lr=lr, max_grad_norm=None, mini_batches=2))
+  state = learner.init(model)
+  start = jax.tree.map(jnp.copy, state.params)
+  _, metrics = learner.step(state, batch)
+  halves = [jax.tree.map(lambda x, i=i: x[i::2], batch) for i in range(2)]  # split_rows' mini-batches
+  alone = Learner(tiny_model(), config(lr=lr, max_grad_norm=None))
+  after_first, first = alone.step(alone.init(tiny_model()), halves[0])
+  valid = np.asarray(halves[1].response_mask[:, 1:] * halves[1].attention_mask[:, 1:]) > 0
+  tokens = [float(np.sum(np.asarray(h.response_mask[:, 1:]))) for h in halves]
+  share = [n / sum(tokens) for n in tokens]
+  old = alone.batch_stats(start, halves[1])
+  moved = alone.batch_stats(after_first.params, halves[1])
+  ratio = np.exp(np.asarray(moved.logp) - np.asarray(old.logp))
+  advantages = np.asarray(halves[1].advantages)[:, None] * np.ones_like(ratio)
+  clipped = ((advantages > 0) & (ratio > 1.2)) | ((advantages < 0) & (ratio < 0.8))  # no gradient
+  assert np.max(np.abs(ratio[valid] - 1)) > 0.05 and 0 < np.sum(clipped & valid) < 0.1 * np.sum(valid)
+  steps = np.where(clipped, 0.0, advantages * ratio)
+  second = float(batch_entropy_change(jnp.asarray(steps), moved.centered, jnp.asarray(valid), lr * share[1]))
+  expected = share[0] * first["entropy_change_forecast"] + second
+  assert metrics["entropy_change_forecast_off_policy"] == pytest.approx(expected, rel=2e-3)
+  # At the starting parameters, with ratio 1, the second update's forecast would differ.
+  on_start = float(batch_entropy_change(halves[1].advantages[:, None] * jnp.ones_like(old.logp), old.centered,
+                                        jnp.asarray(valid), lr * share[1]))
+  assert abs(on_start - second) > 0.01 * abs(second)

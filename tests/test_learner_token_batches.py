@@ -158,6 +158,11 @@ CASES = {
     # and one epoch is the same path with fewer iterations).
     "clip_b-mini-batches": dict(entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5),
                                 mini_batches=2, ppo_epochs=2),
+    # GSPO's sequence ratio: over each row's tokens, and over each packed segment's; after the
+    # first update the ratios move, and the clip (0.05) binds on some sequences.
+    "gspo-clip_b-mini-batches": dict(objective="gspo", eps_low=0.05, eps_high=0.05,
+                                     entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.5),
+                                     mini_batches=2, ppo_epochs=2),
 }
 
 
@@ -168,6 +173,8 @@ def test_token_micro_batches_equal_row_micro_batches(case):
   rows_step = run_step(config(**kw), batch)
   tokens_step = run_step(config(micro_batch_tokens=2 * (PROMPT + COMPLETION), **kw), batch)
   assert_same_step(rows_step, tokens_step, masked="entropy_mask" in kw)
+  if kw.get("objective") == "gspo":  # the sequence ratios left 1 and met the clip
+    assert rows_step[0]["clip_frac_low"] + rows_step[0]["clip_frac_high"] > 0
 
 
 def test_token_micro_batches_on_the_data_parallel_mesh():

@@ -92,8 +92,13 @@ def test_shipped_configs_load_once_paths_are_set(path):
     method = ("entropy_mask", name)
   if name == "unlikely":
     assert cfg.learner.beta_rank == 0.25 and cfg.learner.entropy_method.kind == "none"
+  elif name == "gspo":  # an objective, with its own clip (rft_jax/rl/gspo.py)
+    assert cfg.learner.objective == "gspo" and cfg.learner.mini_batches > 1
+    assert (cfg.learner.resolved_eps_low, cfg.learner.resolved_eps_high) == (3e-4, 4e-4)
   elif name != "grpo":
     assert getattr(cfg.learner, method[0]).kind == method[1]
+  if name == "clip_cov":  # verl's 7B recipe clips at 1 (recipe/entropy/7b_clip_cov.sh)
+    assert (cfg.learner.resolved_eps_low, cfg.learner.resolved_eps_high) == (1.0, 1.0)
 
 
 def test_demo_config_loads_and_its_batches_split_on_eight_devices():

@@ -14,13 +14,18 @@ METHODS: dict[str, tuple[str, ...]] = {
     # The paper's Table 3 comparisons (rft_jax.rl.token_methods). Clip-Cov and KL-Cov keep verl's
     # covariance bounds and coefficient; their token shares are raised from verl's 2e-4 (under
     # one token of a demo batch) to 0.2% (about 5 tokens), as Clip_V's cap is above.
-    "clip_cov": ("learner.entropy_method.kind=clip_cov", "learner.entropy_method.clip_cov_ratio=0.002"),
+    # verl's Qwen2.5-7B recipe clips the ratio at 1 (configs/qwen2_5_7b_clip_cov.yaml).
+    "clip_cov": ("learner.entropy_method.kind=clip_cov", "learner.entropy_method.clip_cov_ratio=0.002",
+                 "learner.eps_low=1.0", "learner.eps_high=1.0"),
     # KL-Cov's penalty |log p - log p_old| and its gradient vanish on an on-policy update (ratio 1),
     # as in verl: with one update per batch it is GRPO. It acts from the second mini-batch on.
     "kl_cov": ("learner.entropy_method.kind=kl_cov", "learner.entropy_method.kl_cov_ratio=0.002",
                "learner.mini_batches=4"),
     "forking": ("learner.entropy_method.kind=forking",),  # the top 20% of tokens by entropy
     "unlikely": ("learner.beta_rank=0.25",),  # the authors' released recipe
+    # GSPO (rft_jax.rl.gspo): a sequence-level ratio and its narrow clip (3e-4 / 4e-4). Like
+    # KL-Cov it differs from GRPO only off-policy, so it takes 4 updates a batch.
+    "gspo": ("learner.objective=gspo", "learner.loss_agg=seq-mean-token-mean", "learner.mini_batches=4"),
     # A closed loop (rft_jax.rl.token_methods.entropy_target): Clip_B's cut chosen per batch to
     # hold the training batches' entropy near 0.02 nats/token (GRPO's falls from about 0.024 in
     # the first quarter of the run to 0.015 in the last).

@@ -16,6 +16,7 @@ from rft_jax.rl.checks import choice, finite_numbers, positive
 from rft_jax.rl.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
 from rft_jax.rl.forking_tokens import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from rft_jax.rl.objectives import Objective, objective
 from rft_jax.rl.optimizer import OptimizerConfig, optimizer_config
 from rft_jax.rl.token_methods import configured_class, method_class
 
@@ -131,8 +132,11 @@ class LearnerConfig:
       PPO with a learned critic (``rft_jax.rl.critic``, the run's ``critic`` settings), token-level
       GAE advantages whitened over the batch (``rft_jax.rl.gae``).
     advantage_eps: epsilon of the group z-score; advantage_ddof: its std's ddof.
-    eps_low / eps_high: PPO clip range [1 - eps_low, 1 + eps_high] of the ratio r.
-    dual_clip: dual-clip constant c > 1 for A < 0 (None: off).
+    objective: the policy's surrogate loss, a registered objective (``rft_jax.rl.objectives``):
+      ``ppo`` (per-token ratio, the paper's) or ``gspo`` (sequence-level ratio).
+    eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high] of the ratio r (None: the
+      objective's default, 0.2 / 0.2 for ``ppo``, 3e-4 / 4e-4 for ``gspo``).
+    dual_clip: dual-clip constant c > 1 for A < 0 (None: off; ``ppo`` only).
     loss_agg: loss aggregation (``token-mean``, ``seq-mean-token-mean``, ...).
     kl_coef / kl_estimator: KL-to-reference penalty beta (0: off) and its estimator. The
       reference is a frozen copy of the starting parameters (``rft_jax.rl.reference``).
@@ -163,8 +167,9 @@ class LearnerConfig:
   advantage: str = "grpo"
   advantage_eps: float = 1e-6
   advantage_ddof: int = 1
-  eps_low: float = 0.2
-  eps_high: float = 0.2
+  objective: str = "ppo"
+  eps_low: Optional[float] = None
+  eps_high: Optional[float] = None
   dual_clip: Optional[float] = None
   loss_agg: str = "token-mean"
   max_len: Optional[int] = None
@@ -192,6 +197,7 @@ class LearnerConfig:
     self.optim = optimizer_config(self.optim, "learner.optim")
     finite_numbers("learner", self)
     algorithm(self.advantage)
+    entry = objective(self.objective)
     choice("learner.loss_agg", self.loss_agg, AGGREGATIONS)
     choice("learner.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     choice("learner.ref_dtype", self.ref_dtype, REF_DTYPES)
@@ -200,19 +206,41 @@ class LearnerConfig:
     for name in ("mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size"):
       positive(f"learner.{name}", getattr(self, name))
     for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "forecast_every"):
-      positive(f"learner.{name}", getattr(self, name), allow_zero=True)
+      if getattr(self, name) is not None:
+        positive(f"learner.{name}", getattr(self, name), allow_zero=True)
     if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or
                                                 not isinstance(self.micro_batch_tokens, int) or
                                                 self.micro_batch_tokens <= 0):
       raise ValueError(f"learner.micro_batch_tokens must be a positive integer or null, got {self.micro_batch_tokens!r}")
     if self.dual_clip is not None and self.dual_clip <= 1:
       raise ValueError(f"learner.dual_clip must be > 1, got {self.dual_clip}")
+    if self.dual_clip is not None and not entry.takes_dual_clip:
+      raise ValueError(f"learner.dual_clip={self.dual_clip} with learner.objective={self.objective}: "
+                       "that objective has no dual clip; set learner.dual_clip=null")
     for method in (configured_class(self.entropy_mask, True), configured_class(self.entropy_method, False)):
+      if method.replaces_loss and self.objective != "ppo":
+        raise ValueError(f"learner.objective={self.objective} with {method.name}: that method "
+                         "replaces the PPO loss with its own; set learner.objective=ppo")
       if self.dual_clip is not None and method.replaces_loss:
         raise ValueError(f"learner.dual_clip={self.dual_clip} with {method.name}: that method's loss "
                          "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
+
+  @property
+  def policy_objective(self) -> Objective:
+    """The entry of ``objective`` (``rft_jax.rl.objectives``)."""
+    return objective(self.objective)
+
+  @property
+  def resolved_eps_low(self) -> float:
+    """``eps_low``, else the objective's default (the config keeps None, so that a later
+    ``objective`` override still gets its own clip)."""
+    return self.policy_objective.eps_low if self.eps_low is None else self.eps_low
+
+  @property
+  def resolved_eps_high(self) -> float:
+    return self.policy_objective.eps_high if self.eps_high is None else self.eps_high
 
   @property
   def algorithm(self) -> Algorithm:

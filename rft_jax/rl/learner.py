@@ -74,7 +74,7 @@ from rft_jax.rl.batching import (
     split_rows,
 )
 from rft_jax.rl.config import LearnerConfig
-from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser, ppo_clipped_loss
+from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser
 from rft_jax.rl.model_trainer import ModelTrainer, TrainState
 from rft_jax.rl.nonfinite import keep_if_finite
 from rft_jax.rl.token_batches import (
@@ -133,6 +133,7 @@ class Learner(ModelTrainer):
     self.config = config
     self.entropy_mask = configured_method(config, removes_tokens=True)  # Clip_B, Clip_V, ...
     self.entropy_method = configured_method(config, removes_tokens=False)  # Clip-Cov, KL-Cov, ...
+    self.objective = config.policy_objective  # PPO's or GSPO's surrogate
     self._reference_source = reference
     self.reference = None  # frozen reference parameters, set by init() when kl_coef > 0
     self._train_step = None  # compiled on the first step, with the state's shardings
@@ -250,12 +251,7 @@ class Learner(ModelTrainer):
       aggregate = lambda x, mask, mode, normaliser: jnp.sum(jnp.where(weight != 0, x * weight, 0.0))
     else:
       aggregate = aggregate_loss
-    terms = ppo_clipped_loss(stats.logp, old_logp, micro["advantages"], eps_low=c.eps_low,
-                             eps_high=c.eps_high, dual_clip=c.dual_clip)
-    policy_loss = terms.loss
-    if self.entropy_method.chooses_tokens:
-      policy_loss = self.entropy_method.policy_loss(terms.loss, stats.logp, old_logp, micro["advantages"], mask,
-                                                    micro["method_weight"], micro["method_penalised"])
+    terms, policy_loss = self._policy_loss(stats.logp, old_logp, micro)
     loss = aggregate(policy_loss, mask, c.loss_agg, normaliser)
     if c.kl_coef > 0:
       loss += c.kl_coef * aggregate(kl_penalty(stats.logp, micro["ref_logp"], c.kl_estimator),
@@ -270,6 +266,37 @@ class Learner(ModelTrainer):
         "ratio_dev_max": jnp.max(jnp.where(valid, jnp.abs(terms.ratio - 1.0), 0.0)),
     }
     return loss, counts
+
+  def _policy_loss(self, logp, old_logp, micro):
+    """``(terms, [..] per-token policy loss)``: the objective's surrogate
+    (``rft_jax.rl.objectives``), then the entropy method's loss where it chooses tokens."""
+    c = self.config
+    terms = self.objective.per_token_loss(logp, old_logp, micro["advantages"], micro["loss_mask"],
+                                          eps_low=c.resolved_eps_low, eps_high=c.resolved_eps_high,
+                                          dual_clip=c.dual_clip, sequence_ids=micro.get("segment_ids"))
+    policy_loss = terms.loss
+    if self.entropy_method.chooses_tokens:
+      policy_loss = self.entropy_method.policy_loss(terms.loss, logp, old_logp, micro["advantages"],
+                                                    micro["loss_mask"], micro["method_weight"],
+                                                    micro["method_penalised"])
+    return terms, policy_loss
+
+  def _update_entropy_forecast(self, mini: dict, stats, lr, batch_tokens):
+    r"""Corollary 3's first-order change of the batch's mean entropy by one update on a
+    mini-batch, from its statistics at the parameters :math:`\theta_u` the update starts from:
+    each of its tokens takes the step :math:`\alpha_t = \eta\, g_t` with :math:`g_t = -\partial
+    \ell_t / \partial \log p_t` (:math:`r_t A_t` where the clip lets the gradient through, 0 where
+    it does not; GSPO's sequence ratio; an entropy method's weights), so the batch's entropy moves
+    by :math:`-\eta\, (n_u / N)\, \mathrm{Cov}_u(g, S_* - \mathbb{E}_p[S])` (``n_u`` of the
+    batch's ``N`` loss tokens). On-policy and unclipped, :math:`g = A`: Corollary 4."""
+    valid = mini["loss_mask"] > 0  # [b, T] rows: one sequence each
+
+    def summed_loss(logp):
+      return jnp.sum(jnp.where(valid, self._policy_loss(logp, mini["old_logp"], mini)[1], 0.0))
+
+    step_size = -jax.grad(summed_loss)(stats.logp)
+    share = jnp.sum(valid) / jnp.maximum(batch_tokens, 1.0)
+    return batch_entropy_change(step_size, stats.centered, valid, lr * share)
 
   def _micro_loss(self, params, micro, normaliser, first_update, first_position):
     """The micro-batch's loss; aux: its clip counts and (stop-gradient) statistics. A packed
@@ -426,16 +453,19 @@ class Learner(ModelTrainer):
       per_token, masked, chosen = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask = per_token["loss_mask"]
       per_token["old_logp"] = stats.logp
-      losses, grad_norms = [], []
+      losses, grad_norms, forecasts = [], [], []
       counts = None
       updates_done = 0
+      batch_tokens = jnp.sum(loss_mask > 0)
       for _ in range(c.ppo_epochs):
         minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
         for i in range(c.mini_batches):
           mini = {k: v[i] for k, v in minis.items()}
-          state, loss, grad_norm, mini_counts = self._update(
-              state, mini, updates_done == 0, first_position,
+          update_lr = self.schedule(start.step * c.mini_batches * c.ppo_epochs + updates_done)
+          state, loss, grad_norm, mini_counts, mini_stats = self._update(
+              state, mini, updates_done == 0, first_position, with_stats=True,
               token_index=None if token_index is None else token_index[i], row_stride=c.mini_batches)
+          forecasts.append(self._update_entropy_forecast(mini, mini_stats, update_lr, batch_tokens))
           losses.append(loss)
           grad_norms.append(grad_norm)
           counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
@@ -463,6 +493,8 @@ class Learner(ModelTrainer):
         "logp_mismatch": masked_mean(jnp.abs(sampler_logp - stats.logp), valid),
         "response_tokens": jnp.sum(valid),
     }
+    if updates_done > 1:  # Corollary 3: every update at its own parameters, ratios and clips
+      metrics["entropy_change_forecast_off_policy"] = jnp.sum(jnp.stack(forecasts))
     if self.entropy_method.chooses_tokens:  # the share of loss tokens the method drops or penalises
       touched = self.entropy_method.touched(chosen)
       metrics["method_frac"] = jnp.sum(touched & (loss_mask > 0)) / jnp.maximum(jnp.sum(loss_mask > 0), 1)

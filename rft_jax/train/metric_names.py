@@ -11,8 +11,9 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
 ``actor/``      the policy update: loss, gradient norm, learning rate, entropy, PPO clip
                 fractions, KL, non-finite steps
 ``entropy/``    the paper's statistics: S_*, S_* - E_p[S], Corollary 4's forecast of the
-                entropy change, the exact first-order change of the update applied and the
-                measured change
+                entropy change (and Corollary 3's, summed over the updates of a batch, when a
+                step takes several), the exact first-order change of the update applied and
+                the measured change
 ``mask/``       the shares of tokens the entropy mask (Clip_B / Clip_V) or method removes
 ``critic/``     PPO's value model: value loss, clip fraction, explained variance
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
@@ -42,6 +43,7 @@ NAMES = {
     "s_star_mean": "entropy/s_star_mean", "s_centered_mean": "entropy/s_centered_mean",
     "entropy_change_forecast": "entropy/forecast", "entropy_change_measured": "entropy/measured",
     "entropy_change_first_order": "entropy/first_order",
+    "entropy_change_forecast_off_policy": "entropy/forecast_off_policy",
     # mask/: what the entropy mask or method takes out
     "mask_frac": "mask/frac", "mask_frac_positive": "mask/frac_pos", "mask_frac_negative": "mask/frac_neg",
     "method_frac": "mask/method_frac", "target_mu": "mask/target_mu", "target_share": "mask/target_share",

@@ -33,14 +33,14 @@ class ClipCov(TokenMethod):
     c, m = self.config, self.config.entropy_method
     key = jax.random.fold_in(jax.random.key(CLIP_COV_KEY), inputs.step)
     logp = inputs.stats.logp
-    keep = clip_cov_keep(logp, logp, inputs.advantages, inputs.loss_mask, key, eps_low=c.eps_low,
-                         eps_high=c.eps_high, ratio=m.clip_cov_ratio, lb=m.clip_cov_lb, ub=m.clip_cov_ub)
+    keep = clip_cov_keep(logp, logp, inputs.advantages, inputs.loss_mask, key, eps_low=c.resolved_eps_low,
+                         eps_high=c.resolved_eps_high, ratio=m.clip_cov_ratio, lb=m.clip_cov_lb, ub=m.clip_cov_ub)
     return TokenChoice.everything(keep.shape)._replace(weight=keep.astype(jnp.float32))
 
   def policy_loss(self, ppo_loss, logp, old_logp, advantages, loss_mask, weight, penalised) -> jax.Array:
     c = self.config
-    return clip_cov_loss(logp, old_logp, advantages, loss_mask, weight > 0, eps_low=c.eps_low,
-                         eps_high=c.eps_high)
+    return clip_cov_loss(logp, old_logp, advantages, loss_mask, weight > 0, eps_low=c.resolved_eps_low,
+                         eps_high=c.resolved_eps_high)
 
 
 @register_token_method("kl_cov")
