@@ -152,17 +152,23 @@ def _pre_update_logp(batch):
   return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
-@pytest.mark.parametrize("micro,mask", [(16, "none"), (4, "none"), (4, "clip_b"), (16, "clip_b")])
-def test_rejected_tokens_leave_the_loss_and_its_denominator(micro, mask):
+PACKED = dict(micro_batch_tokens=2 * 12)  # packed micro-batches of rows of 12 tokens
+UPDATES = dict(mini_batches=2, ppo_epochs=2)
+
+
+@pytest.mark.parametrize("micro,mask,more", [(16, "none", {}), (4, "none", {}), (4, "clip_b", {}), (16, "clip_b", {}),
+                                             (4, "none", UPDATES), (4, "clip_b", PACKED)])
+def test_rejected_tokens_leave_the_loss_and_its_denominator(micro, mask, more):
   """A step rejecting tokens (their sampler log-probs 3 nats off) equals a step without the
-  correction on the batch whose response mask drops those tokens by hand, entropy mask included."""
+  correction on the batch whose response mask drops those tokens by hand, entropy mask included:
+  one forward pass (16), a pre-update pass (4), several updates, packed micro-batches."""
   batch, _ = synthetic_batch(tiny_model())
   rng = np.random.default_rng(0)
   off = np.zeros(batch.input_ids.shape, bool)
   off[:, 5:] = rng.random((16, off.shape[1] - 5)) < 0.2
   shifted = batch.replace(sampler_logp=batch.sampler_logp + jnp.where(jnp.asarray(off), 3.0, 0.0))
   masked = batch.replace(response_mask=batch.response_mask * jnp.asarray(~off))
-  kw = dict(micro_batch_size=micro, forecast_every=0, **GRADIENT,
+  kw = dict(micro_batch_size=micro, forecast_every=0, **GRADIENT, **more,
             entropy_mask={"kind": mask, "mu_low": 0.5} if mask != "none" else {"kind": "none"})
   corrected = config(**kw, rollout_correction={"rejection": "token_k1", "rejection_bounds": "0.5_2.0"})
   params, metrics = _step(corrected, shifted)
@@ -173,11 +179,14 @@ def test_rejected_tokens_leave_the_loss_and_its_denominator(micro, mask):
   assert metrics["mask_frac"] == pytest.approx(metrics_ref["mask_frac"] * (1 - off[:, 4:].mean()), rel=1e-5)
 
 
-@pytest.mark.parametrize("micro,level", [(16, "token"), (4, "token"), (4, "sequence"), (16, "sequence")])
-def test_importance_weights_scale_each_tokens_policy_gradient(micro, level):
-  """On the first update (ratio 1), weighting token t's surrogate by w_t is advantages A * w_t:
-  the corrected step equals a plain step with those per-token advantages. The weights are
-  min(pi_old / pi_rollout, 2); micro-batches of 4 with token weights share their forward pass."""
+@pytest.mark.parametrize("micro,level,more", [(16, "token", {}), (4, "token", {}), (4, "sequence", {}),
+                                              (16, "sequence", {}), (4, "token", UPDATES), (4, "token", PACKED),
+                                              (4, "sequence", PACKED)])
+def test_importance_weights_scale_each_tokens_policy_gradient(micro, level, more):
+  """Weighting token t's clipped surrogate by w_t > 0 is advantages A * w_t (the max of the clipped
+  and unclipped terms commutes with it): the corrected step equals a plain step with those
+  per-token advantages, over several updates too. The weights are min(pi_old / pi_rollout, 2);
+  micro-batches of 4 (packed or not) with token weights share their forward pass."""
   batch, _ = synthetic_batch(tiny_model())
   rng = np.random.default_rng(1)
   shape = batch.input_ids.shape
@@ -189,13 +198,25 @@ def test_importance_weights_scale_each_tokens_policy_gradient(micro, level):
   shifted = batch.replace(sampler_logp=_pre_update_logp(batch) - jnp.asarray(log_w, jnp.float32))
   weight = np.minimum(np.exp(log_w if level == "token" else log_w.sum(1, keepdims=True)), 2.0)
   scaled = batch.replace(advantages=batch.advantages[:, None] * jnp.asarray(weight * np.ones(shape), jnp.float32))
-  kw = dict(micro_batch_size=micro, forecast_every=0, **GRADIENT)
+  kw = dict(micro_batch_size=micro, forecast_every=0, **GRADIENT, **more)
   params, metrics = _step(config(**kw, rollout_correction={"importance_sampling": level}), shifted)
   params_ref, metrics_ref = _step(config(**kw), scaled)
   _assert_params_close(params, params_ref, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(metrics["loss"], metrics_ref["loss"], rtol=1e-4)
   # verl's max: of the applied (truncated) token weights, but of the untruncated sequence ratios
   assert metrics["rollout_is_max"] == pytest.approx(2.0 if level == "token" else 3.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("correction,shares", [({}, True), ({"diagnostics": True}, True),
+                                                ({"importance_sampling": "token"}, True),
+                                                ({"importance_sampling": "sequence"}, False),
+                                                ({"importance_sampling": "token", "normalize_importance_weights": True}, False),
+                                                ({"rejection": "token_k2", "rejection_bounds": "1"}, False)])
+def test_only_token_local_corrections_share_the_forward_pass(correction, shares):
+  """Micro-batches of one update share their forward pass only when each token's correction is
+  its own: a rejection changes the token-mean denominator, a sequence weight needs the whole row."""
+  learner = Learner(tiny_model(), config(micro_batch_size=4, rollout_correction=correction))
+  assert learner.shares_forward_pass(16) == shares
 
 
 @pytest.mark.parametrize("micro", [16, 4])
