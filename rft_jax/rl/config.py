@@ -129,24 +129,24 @@ class RolloutCorrectionConfig:
   ``algorithm.rollout_correction`` in its decoupled mode (the learner recomputes the old
   log-probs; verl's ``bypass_mode`` and ``loss_type`` are not offered). All off by default.
 
-  ===============================  ============================================  =====================================
-  key                              verl 0.9.1 (``algorithm.rollout_correction.``)  meaning
-  ===============================  ============================================  =====================================
-  ``importance_sampling``          ``rollout_is``                                ``token`` or ``sequence`` truncated IS
-                                                                                 weights on the PPO surrogate; null: off
-  ``importance_weight_cap``        ``rollout_is_threshold`` (a number, or the    the cap C of the weights
-                                   upper of ``"lower_upper"``)
-  ``importance_weight_floor``      the lower of ``rollout_is_threshold``         IcePop: weights outside [floor, C] are
-                                   ``"lower_upper"``                             0 instead of truncated; null: TIS
-  ``normalize_importance_weights``  ``rollout_is_batch_normalize``               divide the weights by their batch mean
-  ``rejection``                    ``rollout_rs``                                comma-separated rejection options
-                                                                                 (``token_k1`` ... ``seq_max_k3``); null: off
-  ``rejection_bounds``             ``rollout_rs_threshold``                      one bound or one per option; ``k1``:
-                                                                                 ``"lower_upper"`` ratio bounds or an
-                                                                                 upper bound (lower: its reciprocal)
-  ``diagnostics``                  (the section being set, with both null)       log the mismatch metrics without
-                                                                                 correcting anything
-  ===============================  ============================================  =====================================
+  Attributes (each with verl 0.9.1's key under ``algorithm.rollout_correction.``):
+    importance_sampling (``rollout_is``): ``token`` or ``sequence``: truncated importance weights
+      pi_old / pi_rollout (of the token, or the product over the sequence) multiply each token's
+      PPO surrogate, detached; None: off.
+    importance_weight_cap (``rollout_is_threshold``, a number or the upper of ``"lower_upper"``):
+      the cap C of the weights.
+    importance_weight_floor (the lower of ``rollout_is_threshold: "lower_upper"``): IcePop, weights
+      outside [floor, C] are 0 instead of truncated (the tokens stay in the denominator); None: TIS.
+    normalize_importance_weights (``rollout_is_batch_normalize``): divide the weights by their batch
+      mean (of the tokens, or of the sequences' weights).
+    rejection (``rollout_rs``): comma-separated rejection options (``token_k1`` ... ``seq_max_k3``,
+      ``rft_jax.rl.rollout_correction.REJECTION_OPTIONS``); rejected tokens leave the loss mask,
+      numerator and denominator; None: off.
+    rejection_bounds (``rollout_rs_threshold``): one bound for all options or one per option,
+      comma-separated; ``k1``: ``"lower_upper"`` ratio bounds, or the upper one (lower: its
+      reciprocal); ``k2`` / ``k3``: the upper bound of the divergence.
+    diagnostics (verl: the section set with ``rollout_is`` and ``rollout_rs`` null): log the
+      ``rollout_corr/`` metrics without correcting anything (on whenever a correction is).
   """
 
   importance_sampling: Optional[str] = None

@@ -104,7 +104,8 @@ class LearnerBatch:
     advantages: ``[B]`` one advantage per completion (GRPO), or ``[B, L]`` one per token, aligned
       with ``input_ids`` (PPO's GAE advantages; read on the completion tokens only).
     sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
-      ``logp_mismatch`` metric; the entropy mask's S_* with ``entropy_mask.logp_source=sampler``).
+      ``logp_mismatch`` metric; the rollout correction's pi_rollout; the entropy mask's S_* with
+      ``entropy_mask.logp_source=sampler``).
   """
 
   input_ids: jax.Array
@@ -289,9 +290,9 @@ class Learner(ModelTrainer):
                                 entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     if "sampler_logp" in micro:  # a shared forward pass: the token weights from its own log-probs
-      c = self.config.rollout_correction
+      correction = self.config.rollout_correction
       weight, _ = importance_weights(old_logp - micro["sampler_logp"], micro["loss_mask"] > 0, "token",
-                                     c.importance_weight_cap, c.importance_weight_floor)
+                                     correction.importance_weight_cap, correction.importance_weight_floor)
       micro = dict(micro, rollout_is_weight=weight)
     loss, counts = self._loss_terms(stats, micro, normaliser, old_logp)
     return loss, (counts, jax.lax.stop_gradient(stats))
@@ -403,7 +404,8 @@ class Learner(ModelTrainer):
     """Whether the step's statistics come from the forward passes of its gradients (no separate
     pre-update pass): one update, and either one micro-batch or nothing chosen over the whole
     batch (no entropy mask, no entropy method, no rollout correction but token importance
-    weights), so each micro-batch's loss needs only its own statistics. Otherwise a pre-update pass runs first (one more forward of the batch)."""
+    weights), so each micro-batch's loss needs only its own statistics. Otherwise a pre-update
+    pass runs first (one more forward of the batch)."""
     c = self.config
     local = not (self.entropy_mask.chooses_tokens or self.entropy_method.chooses_tokens)
     local = local and self.config.rollout_correction.token_local  # rejection changes the normaliser
