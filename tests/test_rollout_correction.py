@@ -260,6 +260,14 @@ def test_bad_values_raise_one_line_naming_the_key(kw, message):
   assert "\n" not in str(error.value)
 
 
+def test_rejection_with_gae_is_refused():
+  """verl rejects before computing advantages, so its GAE recursion and whitening skip rejected
+  tokens; the learner's GAE advantages come before its pre-update pass, so the pair is refused."""
+  with pytest.raises(ValueError, match=r"rollout_correction\.rejection='token_k3' with learner\.advantage=gae"):
+    LearnerConfig(advantage="gae", rollout_correction={"rejection": "token_k3", "rejection_bounds": "1"})
+  assert LearnerConfig(advantage="gae", rollout_correction={"importance_sampling": "token"}).rollout_correction.enabled
+
+
 def test_cli_overrides_reach_the_learner_config():
   cfg = load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "learner.rollout_correction.importance_sampling=sequence",
                            "learner.rollout_correction.importance_weight_cap=3", "learner.rollout_correction.rejection=seq_mean_k1,token_k3",

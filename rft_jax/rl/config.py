@@ -287,6 +287,11 @@ class LearnerConfig:
                          "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
+    if self.advantage == "gae" and self.rollout_correction.rejection is not None:
+      # verl rejects before its advantages: GAE's recursion and whitening skip the rejected tokens;
+      # here GAE is computed before the learner's pre-update log-probs exist
+      raise ValueError(f"learner.rollout_correction.rejection={self.rollout_correction.rejection!r} with "
+                       "learner.advantage=gae is not supported (verl computes GAE over the kept tokens only)")
 
   @property
   def algorithm(self) -> Algorithm:
