@@ -18,6 +18,7 @@ from rft_jax.rl.forking_tokens import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from rft_jax.rl.objectives import Objective, objective
 from rft_jax.rl.optimizer import OptimizerConfig, optimizer_config
+from rft_jax.rl.rollout_correction import IMPORTANCE_LEVELS, RejectionBound, rejection_bounds
 from rft_jax.rl.token_methods import configured_class, method_class
 
 REF_DTYPES = (None, *DTYPES)
@@ -124,6 +125,74 @@ class EntropyMethodConfig:
 
 
 @dataclasses.dataclass
+class RolloutCorrectionConfig:
+  """Correction of the sampler-learner mismatch (``rft_jax.rl.rollout_correction``): verl 0.9.1's
+  ``algorithm.rollout_correction`` in its decoupled mode (the learner recomputes the old
+  log-probs; verl's ``bypass_mode`` and ``loss_type`` are not offered). All off by default.
+
+  Attributes (each with verl 0.9.1's key under ``algorithm.rollout_correction.``):
+    importance_sampling (``rollout_is``): ``token`` or ``sequence``: truncated importance weights
+      pi_old / pi_rollout (of the token, or the product over the sequence) multiply each token's
+      PPO surrogate, detached; None: off.
+    importance_weight_cap (``rollout_is_threshold``, a number or the upper of ``"lower_upper"``):
+      the cap C of the weights.
+    importance_weight_floor (the lower of ``rollout_is_threshold: "lower_upper"``): IcePop, weights
+      outside [floor, C] are 0 instead of truncated (the tokens stay in the denominator); None: TIS.
+    normalize_importance_weights (``rollout_is_batch_normalize``): divide the weights by their batch
+      mean (of the tokens, or of the sequences' weights).
+    rejection (``rollout_rs``): comma-separated rejection options (``token_k1`` ... ``seq_max_k3``,
+      ``rft_jax.rl.rollout_correction.REJECTION_OPTIONS``); rejected tokens leave the loss mask,
+      numerator and denominator; None: off.
+    rejection_bounds (``rollout_rs_threshold``): one bound for all options or one per option,
+      comma-separated; ``k1``: ``"lower_upper"`` ratio bounds, or the upper one (lower: its
+      reciprocal); ``k2`` / ``k3``: the upper bound of the divergence.
+    diagnostics (verl: the section set with ``rollout_is`` and ``rollout_rs`` null): log the
+      ``rollout_corr/`` metrics without correcting anything (on whenever a correction is).
+  """
+
+  importance_sampling: Optional[str] = None
+  importance_weight_cap: float = 2.0
+  importance_weight_floor: Optional[float] = None
+  normalize_importance_weights: bool = False
+  rejection: Optional[str] = None
+  rejection_bounds: Optional[str] = None
+  diagnostics: bool = False
+
+  def __post_init__(self):
+    key = "learner.rollout_correction"
+    finite_numbers(key, self)
+    choice(f"{key}.importance_sampling", self.importance_sampling, (None, *IMPORTANCE_LEVELS))
+    positive(f"{key}.importance_weight_cap", self.importance_weight_cap)
+    if self.importance_weight_floor is not None and not 0 < self.importance_weight_floor <= self.importance_weight_cap:
+      raise ValueError(f"{key}.importance_weight_floor={self.importance_weight_floor!r} must be in "
+                       f"(0, importance_weight_cap={self.importance_weight_cap}]")
+    if self.rejection is None and self.rejection_bounds is not None:
+      raise ValueError(f"{key}.rejection_bounds={self.rejection_bounds!r} without {key}.rejection")
+    if self.rejection is not None:
+      try:
+        rejection_bounds(self.rejection, self.rejection_bounds)
+      except ValueError as error:
+        raise ValueError(f"{key}.rejection={self.rejection!r} with rejection_bounds={self.rejection_bounds!r}: "
+                         f"{error}") from None
+
+  @property
+  def enabled(self) -> bool:
+    """Whether the learner computes the correction (or only its metrics) at all."""
+    return self.importance_sampling is not None or self.rejection is not None or self.diagnostics
+
+  @property
+  def rejection_table(self) -> tuple[RejectionBound, ...]:
+    return rejection_bounds(self.rejection, self.rejection_bounds) if self.rejection is not None else ()
+
+  @property
+  def token_local(self) -> bool:
+    """Whether each token's correction depends on that token alone (token weights, no rejection,
+    no batch normalisation): then micro-batches sharing their forward pass can apply it."""
+    return (self.importance_sampling in (None, "token") and self.rejection is None
+            and not self.normalize_importance_weights)
+
+
+@dataclasses.dataclass
 class LearnerConfig:
   """The GRPO learner.
 
@@ -145,6 +214,8 @@ class LearnerConfig:
     entropy_coef: entropy bonus coefficient (0: off).
     entropy_mask: the Clip_B / Clip_V / sign mask.
     entropy_method: Clip-Cov, KL-Cov or forking tokens (the paper's Table 3 comparisons).
+    rollout_correction: importance weights and rejection for the sampler-learner log-prob
+      mismatch (verl's ``algorithm.rollout_correction``; :class:`RolloutCorrectionConfig`).
     beta_rank: the unlikeliness reward's coefficient (He, Fried, Welleck 2025;
       ``rft_jax.rl.unlikeliness``): within each group, rewards of correct samples are scaled by
       ``1 - beta_rank * rank / n`` by likelihood under the sampling policy (0: off).
@@ -179,6 +250,7 @@ class LearnerConfig:
   entropy_coef: float = 0.0
   entropy_mask: EntropyMaskConfig = dataclasses.field(default_factory=EntropyMaskConfig)
   entropy_method: EntropyMethodConfig = dataclasses.field(default_factory=EntropyMethodConfig)
+  rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
   beta_rank: float = 0.0
   optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   mini_batches: int = 1
@@ -194,6 +266,8 @@ class LearnerConfig:
       self.entropy_mask = EntropyMaskConfig(**self.entropy_mask)
     if isinstance(self.entropy_method, dict):
       self.entropy_method = EntropyMethodConfig(**self.entropy_method)
+    if isinstance(self.rollout_correction, dict):
+      self.rollout_correction = RolloutCorrectionConfig(**self.rollout_correction)
     self.optim = optimizer_config(self.optim, "learner.optim")
     finite_numbers("learner", self)
     algorithm(self.advantage)
@@ -226,6 +300,11 @@ class LearnerConfig:
                          "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
+    if self.advantage == "gae" and self.rollout_correction.rejection is not None:
+      # verl rejects before its advantages: GAE's recursion and whitening skip the rejected tokens;
+      # here GAE is computed before the learner's pre-update log-probs exist
+      raise ValueError(f"learner.rollout_correction.rejection={self.rollout_correction.rejection!r} with "
+                       "learner.advantage=gae is not supported (verl computes GAE over the kept tokens only)")
 
   @property
   def policy_objective(self) -> Objective:

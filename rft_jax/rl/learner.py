@@ -10,7 +10,11 @@ A step, all inside one ``jax.jit`` with explicit shardings:
 2. **Token methods** (``rft_jax.rl.token_methods``) on the *whole batch*: the entropy mask
    (Clip_B / Clip_V / sign / the entropy target) is multiplied into the loss mask, so masked
    tokens leave numerator and denominator; the entropy method (Clip-Cov / KL-Cov / forking
-   tokens) weights or penalises tokens of the loss numerator, or gives its own loss.
+   tokens) weights or penalises tokens of the loss numerator, or gives its own loss. Before
+   them, the rollout correction (``learner.rollout_correction``, ``rft_jax.rl.rollout_correction``)
+   compares the pre-update log-probs with the sampler's: its rejection multiplies the loss mask
+   the entropy mask and method then choose from (verl rejects before its loss), its importance
+   weights multiply each token's policy loss.
 3. **Updates**: ``ppo_epochs`` x ``mini_batches`` optimizer steps; each accumulates the
    gradients of its micro-batches (normalised by the mini-batch's global token /
    sequence counts, so accumulation is exact), clips the global norm and applies AdamW.
@@ -77,6 +81,7 @@ from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser
 from rft_jax.rl.model_trainer import ModelTrainer, TrainState
 from rft_jax.rl.nonfinite import keep_if_finite
+from rft_jax.rl.rollout_correction import RolloutCorrection, importance_weights, rollout_correction
 from rft_jax.rl.token_batches import (
     PackedRows,
     gather_tokens,
@@ -99,7 +104,8 @@ class LearnerBatch:
     advantages: ``[B]`` one advantage per completion (GRPO), or ``[B, L]`` one per token, aligned
       with ``input_ids`` (PPO's GAE advantages; read on the completion tokens only).
     sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
-      ``logp_mismatch`` metric; the entropy mask's S_* with ``entropy_mask.logp_source=sampler``).
+      ``logp_mismatch`` metric; the rollout correction's pi_rollout; the entropy mask's S_* with
+      ``entropy_mask.logp_source=sampler``).
   """
 
   input_ids: jax.Array
@@ -269,7 +275,8 @@ class Learner(ModelTrainer):
 
   def _policy_loss(self, logp, old_logp, micro):
     """``(terms, [..] per-token policy loss)``: the objective's surrogate
-    (``rft_jax.rl.objectives``), then the entropy method's loss where it chooses tokens."""
+    (``rft_jax.rl.objectives``), then the entropy method's loss where it chooses tokens, times
+    the rollout correction's importance weights where it has them."""
     c = self.config
     terms = self.objective.per_token_loss(logp, old_logp, micro["advantages"], micro["loss_mask"],
                                           eps_low=c.resolved_eps_low, eps_high=c.resolved_eps_high,
@@ -279,6 +286,8 @@ class Learner(ModelTrainer):
       policy_loss = self.entropy_method.policy_loss(terms.loss, logp, old_logp, micro["advantages"],
                                                     micro["loss_mask"], micro["method_weight"],
                                                     micro["method_penalised"])
+    if "rollout_is_weight" in micro:  # rollout correction: verl's pg_losses * rollout_is_weights
+      policy_loss = policy_loss * micro["rollout_is_weight"]
     return terms, policy_loss
 
   def _update_entropy_forecast(self, mini: dict, stats, lr, batch_tokens):
@@ -308,13 +317,28 @@ class Learner(ModelTrainer):
       stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
                                 entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
+    if "sampler_logp" in micro:  # a shared forward pass: the token weights from its own log-probs
+      correction = self.config.rollout_correction
+      weight, _ = importance_weights(old_logp - micro["sampler_logp"], micro["loss_mask"] > 0, "token",
+                                     correction.importance_weight_cap, correction.importance_weight_floor)
+      micro = dict(micro, rollout_is_weight=weight)
     loss, counts = self._loss_terms(stats, micro, normaliser, old_logp)
     return loss, (counts, jax.lax.stop_gradient(stats))
 
-  def _batch_token_choices(self, stats, per_token, response, sampler_logp, step):
+  def _batch_token_choices(self, stats, per_token, response, sampler_logp, step,
+                           correction: RolloutCorrection | None = None):
     """The whole batch's entropy-mask and entropy-method choices (``rft_jax.rl.token_methods``)
     from the pre-update statistics; adds the loss mask and the method's arrays to ``per_token``.
-    Returns ``(per_token, masked, chosen)``: the two :class:`TokenChoice`."""
+    Returns ``(per_token, masked, chosen)``: the two :class:`TokenChoice`.
+
+    With a rollout ``correction``, its rejected tokens leave ``response`` first: the entropy mask's
+    batch statistics, the method's choice and the loss normaliser see only the tokens verl would
+    keep (verl rejects in the trainer, before the actor's loss); its importance weights go to
+    ``per_token["rollout_is_weight"]``."""
+    if correction is not None:
+      response = response * correction.keep
+      if correction.weight is not None:
+        per_token = dict(per_token, rollout_is_weight=correction.weight)
     inputs = TokenInputs(stats, sampler_logp, per_token["advantages"], response, response, step)
     masked = self.entropy_mask.choose(inputs)
     per_token = dict(per_token, loss_mask=response * masked.keep)
@@ -330,10 +354,19 @@ class Learner(ModelTrainer):
     stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
                               entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
     fixed = jax.lax.stop_gradient(stats)
-    micro, masked, chosen = self._batch_token_choices(fixed, per_token, response, sampler_logp, step)
+    correction = self._rollout_correction(fixed.logp, sampler_logp, response)
+    micro, masked, chosen = self._batch_token_choices(fixed, per_token, response, sampler_logp, step, correction)
     normaliser = self._loss_normaliser(micro["loss_mask"], per_token["input_ids"])
     loss, counts = self._loss_terms(stats, micro, normaliser, fixed.logp)
-    return loss, (counts, fixed, masked, chosen)
+    return loss, (counts, fixed, masked, chosen, micro["loss_mask"], correction)
+
+  def _rollout_correction(self, learner_logp, sampler_logp, response) -> RolloutCorrection | None:
+    """``rft_jax.rl.rollout_correction`` of the whole batch's pre-update (stop-gradient) log-probs;
+    None when ``learner.rollout_correction`` is off (the step is then the same program)."""
+    if not self.config.rollout_correction.enabled:
+      return None
+    return rollout_correction(jax.lax.stop_gradient(learner_logp), sampler_logp, response,
+                              self.config.rollout_correction)
 
   def _packed_micro_batches(self, mini: dict, token_index, first_position: int, row_stride: int) -> dict:
     """A mini-batch's per-token arrays (``[b, T]``) as packed micro-batches ``[n, r, L]`` by its
@@ -398,10 +431,12 @@ class Learner(ModelTrainer):
   def shares_forward_pass(self, batch_size: int) -> bool:
     """Whether the step's statistics come from the forward passes of its gradients (no separate
     pre-update pass): one update, and either one micro-batch or nothing chosen over the whole
-    batch (no entropy mask, no entropy method), so each micro-batch's loss needs only its own
-    statistics. Otherwise a pre-update pass runs first (one more forward of the batch)."""
+    batch (no entropy mask, no entropy method, no rollout correction but token importance
+    weights), so each micro-batch's loss needs only its own statistics. Otherwise a pre-update
+    pass runs first (one more forward of the batch)."""
     c = self.config
     local = not (self.entropy_mask.chooses_tokens or self.entropy_method.chooses_tokens)
+    local = local and self.config.rollout_correction.token_local  # rejection changes the normaliser
     return c.mini_batches == 1 and c.ppo_epochs == 1 and (local or self.is_single_pass(batch_size))
 
   def _reference_logp(self, batch: LearnerBatch, reference, stats_from_column: int,
@@ -437,20 +472,25 @@ class Learner(ModelTrainer):
 
     if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
-      (loss, (counts, stats, masked, chosen)), grads = grad_fn(
+      (loss, (counts, stats, masked, chosen, loss_mask, correction)), grads = grad_fn(
           state.params, per_token, response, sampler_logp, first_position, state.step)
       state, grad_norm = self.apply_gradients(state, grads)
-      loss_mask, losses, grad_norms, updates_done = response * masked.keep, [loss], [grad_norm], 1
+      losses, grad_norms, updates_done = [loss], [grad_norm], 1
     elif self.shares_forward_pass(batch.input_ids.shape[0]):  # every token in the loss
       per_token = dict(per_token, loss_mask=response)
+      if c.rollout_correction.importance_sampling is not None:  # token weights, from each micro-batch's forward
+        per_token["sampler_logp"] = sampler_logp
       state, loss, grad_norm, counts, stats = self._update(
           state, per_token, True, first_position, with_stats=True,
           token_index=None if token_index is None else token_index[0])
+      correction = self._rollout_correction(stats.logp, sampler_logp, response)  # its metrics
       _, masked, chosen = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask, losses, grad_norms, updates_done = response, [loss], [grad_norm], 1
     else:
       stats = self.batch_stats(state.params, batch, stats_from_column, token_index=token_index)
-      per_token, masked, chosen = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step)
+      correction = self._rollout_correction(stats.logp, sampler_logp, response)
+      per_token, masked, chosen = self._batch_token_choices(stats, per_token, response, sampler_logp, state.step,
+                                                            correction)
       loss_mask = per_token["loss_mask"]
       per_token["old_logp"] = stats.logp
       losses, grad_norms, forecasts = [], [], []
@@ -475,6 +515,8 @@ class Learner(ModelTrainer):
     n_loss_tokens = jnp.maximum(jnp.sum(loss_mask) * updates_done, 1.0)
     positive, negative = valid & (advantages > 0), valid & (advantages < 0)
     removed = valid & ~masked.keep
+    if correction is not None:  # what the entropy mask removed of the tokens the rejection kept
+      removed = removed & (correction.keep > 0)
     metrics = {
         "loss": jnp.mean(jnp.stack(losses)),
         "grad_norm": jnp.mean(jnp.stack(grad_norms)),
@@ -500,6 +542,8 @@ class Learner(ModelTrainer):
       metrics["method_frac"] = jnp.sum(touched & (loss_mask > 0)) / jnp.maximum(jnp.sum(loss_mask > 0), 1)
     metrics.update(masked.metrics)  # e.g. the cut the entropy target chose, and why
     metrics.update(chosen.metrics)
+    if correction is not None:
+      metrics.update(correction.metrics)
     if ref_logp is not None:  # measured with the pre-update parameters
       metrics["kl"] = masked_mean(kl_penalty(stats.logp, ref_logp, c.kl_estimator), valid)
     state, metrics["nonfinite_skipped"] = keep_if_finite(state, start, losses + grad_norms)

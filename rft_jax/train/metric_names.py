@@ -15,6 +15,8 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
                 step takes several), the exact first-order change of the update applied and
                 the measured change
 ``mask/``       the shares of tokens the entropy mask (Clip_B / Clip_V) or method removes
+``rollout_corr/``  the sampler-learner mismatch and its correction (``learner.rollout_correction``):
+                importance weights, rejected shares, KL / perplexity / chi-squared; verl's keys
 ``critic/``     PPO's value model: value loss, clip fraction, explained variance
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
 ``timing/``     seconds per phase and rollout tokens per second
@@ -47,6 +49,16 @@ NAMES = {
     # mask/: what the entropy mask or method takes out
     "mask_frac": "mask/frac", "mask_frac_positive": "mask/frac_pos", "mask_frac_negative": "mask/frac_neg",
     "method_frac": "mask/method_frac", "target_mu": "mask/target_mu", "target_share": "mask/target_share",
+    # rollout_corr/: the rollout correction (verl 0.9.1's rollout_corr/ keys)
+    **{f"rollout_is_{k}": f"rollout_corr/rollout_is_{k}" for k in (
+        "mean", "max", "min", "std", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low",
+        "oob_ratio", "batch_norm_factor")},
+    "rollout_rs_masked_fraction": "rollout_corr/rollout_rs_masked_fraction",
+    "rollout_rs_seq_masked_fraction": "rollout_corr/rollout_rs_seq_masked_fraction",
+    "mismatch_kl": "rollout_corr/kl", "mismatch_k3_kl": "rollout_corr/k3_kl",
+    "learner_ppl": "rollout_corr/training_ppl", "sampler_ppl": "rollout_corr/rollout_ppl",
+    "log_ppl_diff": "rollout_corr/log_ppl_diff", "log_ppl_abs_diff": "rollout_corr/log_ppl_abs_diff",
+    "ppl_ratio": "rollout_corr/ppl_ratio", "chi2_token": "rollout_corr/chi2_token", "chi2_seq": "rollout_corr/chi2_seq",
     # critic/: PPO's value model (learner.advantage: gae)
     "value_loss": "critic/value_loss", "value_clipfrac": "critic/value_clipfrac",
     "value_mean": "critic/value_mean", "explained_variance": "critic/explained_variance",
