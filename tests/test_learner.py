@@ -77,6 +77,7 @@ def test_on_policy_first_step_ratio_is_exactly_one():
   assert metrics["ratio_dev_max"] == 0.0
   assert metrics["clip_frac_low"] == 0.0 and metrics["clip_frac_high"] == 0.0
   assert metrics["logp_mismatch"] < 1e-4  # the sampler's log-probs are the learner's
+  assert metrics["logp_mismatch"] <= metrics["logp_mismatch_max"] < 1e-3
   assert metrics["mask_frac"] == 0.0
   assert metrics["nonfinite_skipped"] == 0.0
 

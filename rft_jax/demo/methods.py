@@ -25,6 +25,11 @@ METHODS: dict[str, tuple[str, ...]] = {
     "unlikely": ("learner.beta_rank=0.25",),  # the authors' released recipe
     # GSPO (rft_jax.rl.gspo): a sequence-level ratio and its narrow clip (3e-4 / 4e-4). Like
     # KL-Cov it differs from GRPO only off-policy, so it takes 4 updates a batch.
+    # verl's decoupled token-level TIS (rft_jax.rl.rollout_correction): the sampler's and the
+    # learner's log-probs differ by float rounding here (one float32 model), so it measures the
+    # mismatch and weights by about 1.
+    "tis": ("learner.rollout_correction.importance_sampling=token",
+            "learner.rollout_correction.importance_weight_cap=2.0"),
     "gspo": ("learner.objective=gspo", "learner.loss_agg=seq-mean-token-mean", "learner.mini_batches=4"),
     # A closed loop (rft_jax.rl.token_methods.entropy_target): Clip_B's cut chosen per batch to
     # hold the training batches' entropy near 0.02 nats/token (GRPO's falls from about 0.024 in

@@ -533,6 +533,7 @@ class Learner(ModelTrainer):
         "mask_frac_negative": jnp.sum(removed & negative) / jnp.maximum(jnp.sum(negative), 1),
         "entropy_change_forecast": batch_entropy_change(advantages, stats.centered, loss_mask, lr),
         "logp_mismatch": masked_mean(jnp.abs(sampler_logp - stats.logp), valid),
+        "logp_mismatch_max": jnp.max(jnp.where(valid, jnp.abs(sampler_logp - stats.logp), 0.0)),
         "response_tokens": jnp.sum(valid),
     }
     if updates_done > 1:  # Corollary 3: every update at its own parameters, ratios and clips

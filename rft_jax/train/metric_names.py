@@ -39,7 +39,7 @@ NAMES = {
     "loss": "actor/loss", "grad_norm": "actor/grad_norm", "lr": "actor/lr", "entropy": "actor/entropy",
     "clip_frac_low": "actor/pg_clipfrac_low", "clip_frac_high": "actor/pg_clipfrac_high",
     "clip_frac_dual": "actor/pg_clipfrac_dual", "ratio_dev_max": "actor/ratio_dev_max",
-    "logp_mismatch": "actor/logp_mismatch", "kl": "actor/kl", "response_tokens": "actor/response_tokens",
+    "logp_mismatch": "actor/logp_mismatch", "logp_mismatch_max": "actor/logp_mismatch_max", "kl": "actor/kl", "response_tokens": "actor/response_tokens",
     "nonfinite_skipped": "actor/nonfinite_skipped", "nonfinite_skipped_total": "actor/nonfinite_skipped_total",
     # entropy/: the paper's statistics
     "s_star_mean": "entropy/s_star_mean", "s_centered_mean": "entropy/s_centered_mean",
