@@ -28,6 +28,7 @@ from flax import nnx
 from rft_jax import data as data_lib
 from rft_jax.data.config import DataConfig
 from rft_jax.models import load_hf
+from rft_jax.models.lora_model import add_adapters
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
@@ -110,6 +111,8 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
                                          rngs=nnx.Rngs(cfg.seed))
     critic = Critic(value_model, cfg.critic, mesh=mesh)
     critic_state = critic.init(value_model)
+  if cfg.model.lora is not None:  # after the critic's copy: the critic is trained in full
+    model = add_adapters(model, cfg.model.lora, seed=cfg.seed, mesh=mesh)
   learner = Learner(model, cfg.learner, mesh=mesh, reference=reference)
   state = learner.init(model)  # with kl_coef > 0, copies the reference (default: these weights)
   if critic is not None:

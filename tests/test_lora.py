@@ -1,0 +1,231 @@
+"""LoRA adapters of the policy (rft_jax.models.lora, lora_model; the learner's LoRA plumbing in
+rft_jax.rl.model_trainer): the adapted model at init, the merged weights, what trains, what the
+optimizer holds, checkpoints, the sampler and the Hugging Face export."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rft_jax.models import Qwen, QwenConfig
+from rft_jax.models.lora import LORA_TARGETS, LoraConfig
+from rft_jax.models.lora_model import add_adapters, has_adapters, merged
+from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
+from rft_jax.rl.learner import Learner
+from rft_jax.rl.optimizer import OptimizerConfig
+
+from test_learner import VOCAB, synthetic_batch
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def tiny_model(seed=0, family="qwen3", **kw):
+  config = QwenConfig(model_type=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, tie_word_embeddings=True, **kw)
+  return Qwen(config, rngs=nnx.Rngs(seed))
+
+
+def perturbed(model, seed=1, scale=0.1):
+  """``model`` (in place) with random values in every adapter matrix (``B`` no longer zero)."""
+  adapters = nnx.state(model, nnx.LoRAParam)
+  leaves, treedef = jax.tree.flatten(adapters)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  nnx.update(model, jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                                 for x, k in zip(leaves, keys)]))
+  return model
+
+
+def learner_config(**kw):
+  base = dict(micro_batch_size=4, forecast_every=0, optim=OptimizerConfig(lr=3e-3, max_grad_norm=1.0))
+  base.update(kw)
+  return LearnerConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config.
+
+def test_lora_config_normalises_targets_and_names_bad_values():
+  assert LoraConfig().targets == LORA_TARGETS
+  assert LoraConfig(targets=("v", "q_proj", "down")).targets == ("q_proj", "v_proj", "down_proj")
+  assert LoraConfig(targets=("all-linear",)).targets == LORA_TARGETS
+  assert LoraConfig(rank=8, alpha=16).scale == 2.0
+  for kw, key in [({"rank": 0}, "model.lora.rank"), ({"rank": 2.5}, "model.lora.rank"),
+                  ({"alpha": -1.0}, "model.lora.alpha"), ({"alpha": float("nan")}, "model.lora.alpha"),
+                  ({"targets": ("qkv",)}, "model.lora.targets"), ({"targets": ()}, "model.lora.targets")]:
+    with pytest.raises(ValueError, match=key) as info:
+      LoraConfig(**kw)
+    assert "\n" not in str(info.value)
+
+
+def test_run_config_reads_model_lora():
+  from rft_jax.train.config import ConfigError, load_config
+
+  required = ["model.path=/m", "data.train_path=/d"]
+  assert load_config(None, required).model.lora is None
+  cfg = load_config(None, required + ["model.lora.rank=8", "model.lora.targets=[q,v]"])
+  assert cfg.model.lora == LoraConfig(rank=8, alpha=32.0, targets=("q_proj", "v_proj"))
+  with pytest.raises(ConfigError, match=r"model\.lora\.rank") as info:
+    load_config(None, required + ["model.lora.rank=0"])
+  assert "\n" not in str(info.value)
+  with pytest.raises(ConfigError, match=r"model\.lora\.targets"):
+    load_config(None, required + ["model.lora.targets=[qkv]"])
+
+
+def test_demo_lora_variant_configures():
+  from rft_jax.demo.methods import METHODS
+  from rft_jax.train.config import load_config
+
+  cfg = load_config("configs/demo.yaml", METHODS["lora"], required=())
+  assert cfg.model.lora is not None and cfg.model.lora.rank >= 1
+  assert cfg.learner.entropy_mask.kind == "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model.
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_adapters_start_at_the_base_and_merge_exactly(family):
+  base = tiny_model(family=family)
+  ids = jax.random.randint(jax.random.key(0), (2, 7), 0, VOCAB)
+  want = base(ids)
+  model = add_adapters(base, LORA)
+  assert has_adapters(model) and not has_adapters(base)
+  adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+  assert len(adapters) == 2 * len(LORA_TARGETS)
+  for path, var in adapters.items():
+    assert isinstance(var, nnx.LoRAParam) and var.get_value().dtype == jnp.float32
+    if path[-1] == "lora_b":
+      assert not np.any(np.asarray(var.get_value()))  # B = 0: the base's function
+  np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(want))
+  perturbed(model)
+  adapted = model(ids)
+  assert np.max(np.abs(adapted - want)) > 1e-2
+  plain = merged(model)
+  assert plain.config.lora is None and not has_adapters(plain)
+  np.testing.assert_allclose(np.asarray(plain(ids)), np.asarray(adapted), atol=2e-5)
+  # the cache path of the adapted model (the unmerged projections) agrees with the merged model
+  cache = model.init_cache(2, 12)
+  logits, cache = model.prefill(ids, jnp.ones_like(ids), cache)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(adapted[:, -1]), atol=2e-5)
+
+
+def test_targets_choose_the_adapted_projections_and_bfloat16_base():
+  base = tiny_model(param_dtype=jnp.bfloat16)
+  model = add_adapters(base, LoraConfig(rank=2, targets=("q", "down")))
+  names = {p[-2] for p, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+  assert names == {"q_lora", "down_lora"}
+  base_dtypes = {v.get_value().dtype for _, v in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.LoRAParam)))}
+  assert base_dtypes == {jnp.dtype(jnp.bfloat16)}
+  perturbed(model)
+  plain = merged(model)
+  flat = dict(nnx.to_flat_state(nnx.state(plain)))
+  assert flat[("layers", "attn", "q_proj")].get_value().dtype == jnp.bfloat16
+  # untargeted weights are the base's arrays, shared
+  assert flat[("layers", "attn", "k_proj")].get_value() is dict(nnx.to_flat_state(nnx.state(model)))[
+      ("layers", "attn", "k_proj")].get_value()
+
+
+def test_feature_major_decoding_refuses_an_unmerged_model():
+  from rft_jax.models.feature_major import decode_weights
+
+  with pytest.raises(ValueError, match="merged"):
+    decode_weights(add_adapters(tiny_model(), LORA))
+
+
+# ---------------------------------------------------------------------------------------------
+# The learner.
+
+def _flat(tree):
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_only_the_adapters_train_and_adamw_holds_only_them():
+  base = tiny_model()
+  batch, _ = synthetic_batch(base)
+  model = add_adapters(base, LORA)
+  learner = Learner(model, learner_config())
+  state = learner.init(model)
+  adapter_size = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  base_size = sum(x.size for x in jax.tree.leaves(nnx.state(base, nnx.Param)))
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+  assert sum(x.size for x in moments) == 2 * adapter_size  # AdamW's mu and nu, adapters only
+  assert sum(x.size for x in jax.tree.leaves(state.params)) == base_size + adapter_size
+  before = _flat(state.params)
+  state, metrics = learner.step(state, batch)
+  assert metrics["grad_norm"] > 0 and metrics["nonfinite_skipped"] == 0.0
+  after = _flat(state.params)
+  changed = {k for k in before if not np.array_equal(before[k], after[k])}
+  assert changed and all("lora" in k for k in changed)
+  assert any("lora_b" in k for k in changed)
+  # the step's model for the sampler is the merged one, and it moved
+  plain = learner.model(state)
+  assert not has_adapters(plain)
+
+
+@pytest.mark.parametrize("micro", [4, 16])
+def test_token_statistics_and_masks_at_init_equal_full_fine_tuning(micro):
+  """At init (B = 0) a LoRA step sees the base model: the same entropy, S_*, masks, loss."""
+  base = tiny_model()
+  batch, _ = synthetic_batch(base)
+  cfg = learner_config(micro_batch_size=micro, entropy_mask=EntropyMaskConfig(kind="clip_b", mu_low=0.3))
+  full = Learner(base, cfg)
+  _, m_full, rows_full = full.step(full.init(base), batch, rows=True)
+  model = add_adapters(tiny_model(), LORA)
+  lora = Learner(model, cfg)
+  _, m_lora, rows_lora = lora.step(lora.init(model), batch, rows=True)
+  for key in ("entropy", "s_star_mean", "s_centered_mean", "mask_frac", "mask_frac_negative", "loss",
+              "logp_mismatch", "entropy_change_forecast", "response_tokens"):
+    assert m_lora[key] == pytest.approx(m_full[key], rel=1e-6, abs=1e-7), key
+  assert m_full["mask_frac"] > 0
+  for key in rows_full:
+    np.testing.assert_allclose(rows_lora[key], rows_full[key], rtol=1e-6, atol=1e-7)
+
+
+def test_entropy_change_measurement_with_adapters():
+  base = tiny_model()
+  batch, _ = synthetic_batch(base)
+  model = add_adapters(base, LORA)
+  learner = Learner(model, learner_config(forecast_every=1))
+  state, metrics = learner.step(learner.init(model), batch)
+  assert np.isfinite(metrics["entropy_change_measured"]) and np.isfinite(metrics["entropy_change_first_order"])
+  assert metrics["entropy_change_first_order"] != 0.0
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+  """Two steps straight equal one step, a save, a restore onto a fresh template, one step."""
+  from rft_jax.train.checkpoint import RunCheckpointer
+
+  base = tiny_model()
+  batches = [synthetic_batch(base, seed=s)[0] for s in (0, 1)]
+
+  def fresh():
+    model = add_adapters(tiny_model(), LORA, seed=3)
+    learner = Learner(model, learner_config(micro_batch_size=8))
+    return learner, learner.init(model)
+
+  learner, state = fresh()
+  metrics_straight = []
+  for batch in batches:
+    state, metrics = learner.step(state, batch)
+    metrics_straight.append(metrics)
+  straight = _flat(state)
+
+  learner, state = fresh()
+  state, metrics = learner.step(state, batches[0])
+  assert metrics == metrics_straight[0]
+  checkpointer = RunCheckpointer(str(tmp_path / "checkpoints"), async_save=False)
+  checkpointer.save(1, state, {"seed": 0})
+  checkpointer.close()
+  learner, template = fresh()
+  checkpointer = RunCheckpointer(str(tmp_path / "checkpoints"))
+  state, _, step = checkpointer.restore(template)
+  checkpointer.close()
+  assert step == 1
+  state, metrics = learner.step(state, batches[1])
+  assert metrics == metrics_straight[1]
+  resumed = _flat(state)
+  assert resumed.keys() == straight.keys()
+  for key in straight:
+    np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
