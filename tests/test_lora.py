@@ -229,3 +229,57 @@ def test_checkpoint_resume_is_exact(tmp_path):
   assert resumed.keys() == straight.keys()
   for key in straight:
     np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler and the export.
+
+def test_greedy_samples_of_the_merged_weights_follow_the_adapted_forward():
+  """``generate`` decodes the merged weights (its CPU decode kernels read weights directly); its
+  greedy completions are the argmax chain of the adapted model's own full forward."""
+  from rft_jax.sampling import SamplingParams, generate
+
+  model = perturbed(add_adapters(tiny_model(), LORA), scale=0.3)
+  prompts = [[5, 9, 17, 3], [11, 2, 40, 7], [1, 60, 33, 21]]
+  out = generate(model, prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=6), seed=0)
+  ids = jnp.asarray(prompts, jnp.int32)
+  forward = jax.jit(lambda ids: model(ids)[:, -1])
+  for _ in range(6):
+    ids = jnp.concatenate([ids, jnp.argmax(forward(ids), -1)[:, None].astype(ids.dtype)], axis=1)
+  np.testing.assert_array_equal(np.asarray(out.completion_ids), np.asarray(ids[:, 4:]))
+  unmerged = jnp.argmax(add_adapters(tiny_model(), LORA)(jnp.asarray(prompts))[:, -1], -1)
+  assert not np.array_equal(np.asarray(out.completion_ids[:, 0]), np.asarray(unmerged))  # the adapters matter
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_export_merges_the_adapters_into_a_directory_transformers_loads(tmp_path, family):
+  """``rft-jax export`` of a LoRA run's checkpoint: transformers' logits of the written
+  directory are the merged JAX model's."""
+  import shutil
+
+  from hf_fixtures import hf_logits, hf_model, make_tiny_qwen, make_tiny_tokenizer
+  from rft_jax import cli
+  from rft_jax.models import load_hf
+  from rft_jax.train.checkpoint import RunCheckpointer
+  from rft_jax.train.config import load_config, to_yaml
+
+  source = make_tiny_qwen(tmp_path, family, tie=family == "qwen3", vocab=128)
+  for f in make_tiny_tokenizer(tmp_path).iterdir():
+    shutil.copy(f, source / f.name)
+  run = tmp_path / "run"
+  cfg = load_config(None, [f"model.path={source}", "data.train_path=/d", f"run_dir={run}", "seed=5",
+                           "model.lora.rank=4", "model.lora.alpha=12", "model.lora.targets=[q,k,v,o,gate,up,down]"])
+  run.mkdir()
+  (run / "config.yaml").write_text(to_yaml(cfg))
+  model = perturbed(add_adapters(load_hf(source), cfg.model.lora, seed=cfg.seed), scale=0.2)
+  learner = Learner(model, cfg.learner)
+  state = learner.init(model)
+  checkpointer = RunCheckpointer(str(run / "checkpoints"), async_save=False)
+  checkpointer.save(1, state, {"seed": cfg.seed})
+  checkpointer.close()
+  out = tmp_path / "hf"
+  assert cli.main(["export", str(run), str(out)]) == 0
+  ids = np.random.default_rng(0).integers(0, 128, (2, 9))
+  want = np.asarray(merged(learner.merge(state.params))(jnp.asarray(ids)))
+  np.testing.assert_allclose(hf_logits(hf_model(out), ids), want, atol=1e-5, rtol=1e-5)
+  assert np.max(np.abs(hf_logits(hf_model(source), ids) - want)) > 1e-2  # not the base's
