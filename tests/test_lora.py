@@ -318,3 +318,77 @@ def test_sharded_lora_step_and_sampler_equal_single_device():
   on_mesh = generate(plain, prompts, params, seed=0, mesh=mesh)
   alone = generate(single.model(s1), prompts, params, seed=0)
   np.testing.assert_array_equal(on_mesh.completion_ids, alone.completion_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# rft-jax plan.
+
+def test_plan_counts_the_frozen_base_and_the_adapters_moments(tmp_path, capsys):
+  """``rft-jax plan`` with model.lora: the train state's parameters are the base (bfloat16
+  here) and the float32 adapters; AdamW's moments cover the adapters only; the sampler's merged
+  weights are a copy beside the train state's targeted weights and adapters."""
+  import json
+
+  from rft_jax import cli
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import plan
+  from rft_jax.train.config import load_config
+
+  model_dir = tmp_path / "model"
+  model_dir.mkdir()
+  # V=256, D=64, F=128, L=2, N=4, K=2, H=16 (untied: an lm_head)
+  config = QwenConfig("qwen3", 256, 64, 128, 2, 4, 2, head_dim=16)
+  (model_dir / "config.json").write_text(json.dumps(config.to_hf_dict()))
+  run = tmp_path / "run.yaml"
+  run.write_text(f"model: {{path: {model_dir}, param_dtype: bfloat16}}\n"
+                 "data: {prompts_per_step: 2, max_prompt_len: 16}\n"
+                 "sampling: {n: 2, max_new_tokens: 16}\nlearner: {micro_batch_size: 4}\n")
+  lora = ["model.lora.rank=4", "model.lora.targets=[q,v,down]"]
+  report = plan(load_config(str(run), lora + ["mesh.data=1"], required=()), topology("cpu:1"))
+  learner, sampler = report["learner"], report["sampler"]
+  d, f, layers, n, k, h, r = 64, 128, 2, 4, 2, 16, 4
+  adapters = layers * r * ((d + n * h) + (d + k * h) + (f + d))  # A [in, r] + B [r, out] per target
+  base = (2 * 256 * d + layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f + 2 * d + 2 * h) + d)
+  assert learner["trainable_parameters"] == adapters
+  assert learner["trainable_parameter_bytes"] == 4 * adapters  # float32
+  assert learner["parameter_bytes"] == 2 * base + 4 * adapters  # the base in bfloat16
+  assert 0 <= learner["optimizer_state_bytes"] - 2 * 4 * adapters <= 16  # mu and nu, the adapters'
+  targeted = layers * (d * n * h + d * k * h + f * d)
+  assert sampler["resident_bytes"] == learner["optimizer_state_bytes"] + 2 * targeted + 4 * adapters
+  assert report["model"]["lora"] == {"rank": 4, "alpha": 32.0, "targets": ["q_proj", "v_proj", "down_proj"]}
+  assert report["fits"]
+  cli.main(["plan", str(run), *lora, "mesh.data=1", "--topology", "cpu:1"])
+  assert "lora     rank 4, alpha 32 on q_proj, v_proj, down_proj" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# A run.
+
+def test_a_lora_run_trains_resumes_and_exports(tmp_path):
+  """``rft-jax train`` with model.lora on 8 fake devices (data=4 x model=2): two steps, then
+  one more after a resume from the step-2 checkpoint, then ``rft-jax export``, which
+  transformers loads; the base weights in the checkpoint are the starting ones."""
+  from hf_fixtures import hf_logits, hf_model
+  from loop_fixtures import make_loop_files, overrides
+  from rft_jax import cli
+  from rft_jax.train.checkpoint import restore_policy
+  from rft_jax.train.metrics_log import read_metrics
+
+  setup = make_loop_files(tmp_path)
+  run = tmp_path / "run"
+  lora = ["model.lora.rank=4", "model.lora.alpha=8", "learner.optim.lr=1e-2", "eval.every=0",
+          "checkpoint_every=2", "rewards.functions=[reward_fixtures:odd_length]"]
+  assert cli.main(["train", *overrides(setup, run, 2, *lora)]) == 0
+  assert cli.main(["train", *overrides(setup, run, 3, *lora)]) == 0
+  records = [r for r in read_metrics(str(run)) if "actor/loss" in r]
+  assert [r["step"] for r in records] == [0, 1, 2]
+  assert all(np.isfinite(r["actor/loss"]) for r in records)
+  assert any(r["actor/grad_norm"] > 0 for r in records)  # groups with reward variance
+  out = tmp_path / "hf"
+  assert cli.main(["export", str(run), str(out)]) == 0
+  model, _, step = restore_policy(str(run))
+  assert step == 3 and not has_adapters(model)
+  ids = np.random.default_rng(0).integers(0, 128, (2, 9))
+  exported = hf_logits(hf_model(out), ids)
+  np.testing.assert_allclose(exported, np.asarray(model(jnp.asarray(ids))), atol=1e-5, rtol=1e-5)
+  assert np.max(np.abs(exported - hf_logits(hf_model(setup[1]), ids))) > 1e-4  # trained

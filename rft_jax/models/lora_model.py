@@ -66,8 +66,9 @@ def add_adapters(model: Qwen, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | N
   return nnx.merge(_graphdef(config), nnx.state(model), adapters)
 
 
-def _targets(config) -> dict[Path, tuple[Path, Path]]:
-  """Each targeted weight's path -> the paths of its adapter's ``A`` and ``B``."""
+def adapted_weights(config) -> dict[Path, tuple[Path, Path]]:
+  """Each weight an adapter targets (its path in the model's state) -> the paths of its
+  adapter's ``A`` and ``B`` (``config.lora``'s targets)."""
   owners = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
   out = {}
@@ -102,7 +103,7 @@ def merged(model: Qwen) -> Qwen:
   if config.lora is None:
     return model
   flat = dict(nnx.to_flat_state(nnx.state(model)))
-  targets = _targets(config)
+  targets = adapted_weights(config)
   weights = {p: flat[p].get_value() for p in targets}
   adapters = {p: (flat[a].get_value(), flat[b].get_value()) for p, (a, b) in targets.items()}
   shardings = tuple((p, w.sharding) for p, w in weights.items()
