@@ -392,3 +392,20 @@ def test_a_lora_run_trains_resumes_and_exports(tmp_path):
   exported = hf_logits(hf_model(out), ids)
   np.testing.assert_allclose(exported, np.asarray(model(jnp.asarray(ids))), atol=1e-5, rtol=1e-5)
   assert np.max(np.abs(exported - hf_logits(hf_model(setup[1]), ids))) > 1e-4  # trained
+
+
+def test_kl_reference_of_a_lora_policy():
+  """kl_coef > 0: the reference is the starting policy (base and zero ``B``), so the first
+  on-policy step measures no KL; another checkpoint as reference takes the adapters' structure."""
+  base = tiny_model()
+  batch, _ = synthetic_batch(base)
+  model = add_adapters(base, LORA)
+  learner = Learner(model, learner_config(kl_coef=0.1))
+  state, metrics = learner.step(learner.init(model), batch)
+  assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+  other = add_adapters(tiny_model(seed=7), LORA)  # as build_run adapts model.ref_path's model
+  policy = add_adapters(tiny_model(), LORA)
+  learner = Learner(policy, learner_config(kl_coef=0.1), reference=other)
+  state = learner.init(policy)
+  _, metrics = learner.step(state, batch)
+  assert metrics["kl"] > 1e-4

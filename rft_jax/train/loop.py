@@ -113,6 +113,8 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
     critic_state = critic.init(value_model)
   if cfg.model.lora is not None:  # after the critic's copy: the critic is trained in full
     model = add_adapters(model, cfg.model.lora, seed=cfg.seed, mesh=mesh)
+    if reference is not None:  # the policy's structure, with adapters that change nothing (B = 0)
+      reference = add_adapters(reference, cfg.model.lora, seed=cfg.seed, mesh=mesh)
     logger.info("LoRA rank %d, alpha %g on %s: %.3gM trainable parameters; the base is frozen",
                 cfg.model.lora.rank, cfg.model.lora.alpha, ", ".join(cfg.model.lora.targets),
                 sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))) / 1e6)
