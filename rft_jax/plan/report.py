@@ -29,12 +29,19 @@ def format_report(report: dict[str, Any]) -> str:
       f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
       f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) {_cache_words(s)}: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
-      f"optimizer state, reference and critic {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
+      f"{_resident_words(report)} {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
       *(f"warning: {w}" for w in report["warnings"]),
       f"fits: {'yes' if report['fits'] else 'NO'}",
   ]
   return "\n".join(lines)
+
+
+def _resident_words(report: dict[str, Any]) -> str:
+  """What stays resident beside the sampler, in words."""
+  if report["model"].get("lora") is None:
+    return "optimizer state, reference and critic"
+  return "optimizer state, reference, critic and the train state's adapted weights and adapters"
 
 
 def _cache_words(s: dict[str, Any]) -> str:
