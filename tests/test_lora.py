@@ -409,3 +409,23 @@ def test_kl_reference_of_a_lora_policy():
   state = learner.init(policy)
   _, metrics = learner.step(state, batch)
   assert metrics["kl"] > 1e-4
+
+
+def test_a_bfloat16_base_trains_float32_adapters():
+  """A bfloat16 base (param_dtype) with bfloat16 compute: the adapters and their moments stay
+  float32, the step moves them only, and the merged weights are bfloat16."""
+  base = tiny_model(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  batch, _ = synthetic_batch(tiny_model())
+  model = add_adapters(base, LORA)
+  learner = Learner(model, learner_config(micro_batch_size=8))
+  state = learner.init(model)
+  assert {x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim > 0} == {jnp.dtype(jnp.float32)}
+  before = _flat(state.params)
+  state, metrics = learner.step(state, batch)
+  assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+  after = _flat(state.params)
+  changed = {k for k in before if not np.array_equal(before[k], after[k])}
+  assert changed and all("lora" in k for k in changed)
+  assert {after[k].dtype for k in after if "lora" in k} == {np.dtype(np.float32)}
+  plain = learner.model(state)
+  assert {v.get_value().dtype for _, v in nnx.to_flat_state(nnx.state(plain))} == {jnp.dtype(jnp.bfloat16)}
