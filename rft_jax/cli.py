@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
                                                            "read against the repository root")
   demo.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. steps=10; "
-                    "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely,ppo,ppo_clip_b,ppo_clip_v picks the runs "
+                    "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely,ppo,ppo_clip_b,ppo_clip_v,lora picks the runs "
                     "(default grpo,clip_b,clip_v)")
   demo.set_defaults(func=_demo)
 

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 from rft_jax.models.attention_kernels import cudnn_self_attention, splash_self_attention
 from rft_jax.models.config import ATTENTION_KINDS, QwenConfig
 from rft_jax.models.layers import RMSNorm, normal_init, param, rotate
+from rft_jax.models.lora import adapter_delta, projection_adapter
 
 # Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
 # uniform (unused) distribution instead of NaN.
@@ -193,9 +194,19 @@ class Attention(nnx.Module):
     if c.qk_norm:
       self.q_norm = RMSNorm(h, c.rms_norm_eps, param_dtype=pd, rngs=rngs, axes=("head_dim",))
       self.k_norm = RMSNorm(h, c.rms_norm_eps, param_dtype=pd, rngs=rngs, axes=("head_dim",))
+    # LoRA adapters (rft_jax.models.lora) of the targeted projections, None elsewhere.
+    self.lora_scale = None if c.lora is None else c.lora.scale
+    shapes = {"q": (d, n * h, "embed", "heads"), "k": (d, k * h, "embed", "kv_heads"),
+              "v": (d, k * h, "embed", "kv_heads"), "o": (n * h, d, "heads", "embed")}
+    for name, (width, out_width, in_axis, out_axis) in shapes.items():
+      setattr(self, f"{name}_lora", projection_adapter(
+          c.lora, f"{name}_proj", width, out_width, in_axis, out_axis, dtype=c.dtype, rngs=rngs))
 
   def _proj(self, x: Array, name: str) -> Array:
     out = jnp.einsum("btd,dnh->btnh", x, getattr(self, f"{name}_proj")[...].astype(self.dtype))
+    delta = adapter_delta(getattr(self, f"{name}_lora"), self.lora_scale, x)
+    if delta is not None:
+      out = out + delta.reshape(out.shape)
     bias = getattr(self, f"{name}_bias", None)
     return out if bias is None else out + bias[...].astype(self.dtype)
 
@@ -215,7 +226,10 @@ class Attention(nnx.Module):
     b, t, n, h = o.shape
     # Heads and head width flattened into one contracted axis (a free reshape of both operands):
     # with two contracted axes, XLA:CPU may transpose the weight to (h, n) order at every call.
-    y = (o.astype(self.dtype).reshape(b, t, n * h)
-         @ self.o_proj[...].astype(self.dtype).reshape(n * h, -1))
+    o = o.astype(self.dtype).reshape(b, t, n * h)
+    y = o @ self.o_proj[...].astype(self.dtype).reshape(n * h, -1)
+    delta = adapter_delta(self.o_lora, self.lora_scale, o)
+    if delta is not None:
+      y = y + delta
     bias = getattr(self, "o_bias", None)
     return y if bias is None else y + bias[...].astype(self.dtype)

@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from rft_jax.models.errors import CheckpointError
+from rft_jax.models.lora import LoraConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -53,6 +54,9 @@ class QwenConfig:
     attention: the causal self-attention implementation of the full forward and the prefill
       (:data:`ATTENTION_KINDS`; ``auto`` chooses by backend, see
       :func:`rft_jax.models.attention.attention_kind`).
+    lora: LoRA adapters on the projections (:class:`~rft_jax.models.lora.LoraConfig`); None:
+      none. Not part of the architecture: ``config.json`` never holds it (an export merges the
+      adapters, :mod:`rft_jax.models.lora_model`).
   """
 
   model_type: str
@@ -76,6 +80,7 @@ class QwenConfig:
   param_dtype: Any = jnp.float32
   remat: bool = False
   attention: str = "auto"
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -84,8 +84,12 @@ class DecodeWeights:
 def decode_weights(model, layers: Sequence | None = None) -> DecodeWeights:
   """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers:
   ``layers``, the model's :meth:`~rft_jax.models.Qwen.unstacked_layers`, transposed; sliced here
-  when None)."""
+  when None). A model with LoRA adapters is refused: decode its
+  :func:`~rft_jax.models.lora_model.merged` model."""
   c = model.config
+  if c.lora is not None:
+    raise ValueError("decode_weights: the model has LoRA adapters, which this path does not read; "
+                     "decode rft_jax.models.lora_model.merged(model)")
   dtype = c.dtype
 
   def stack_rows(names, module):  # [D, ...] projections -> [sum(out), D]

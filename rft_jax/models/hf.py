@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from rft_jax.models import hf_keys, safetensors_io
 from rft_jax.models.config import QwenConfig
 from rft_jax.models.errors import CheckpointError
+from rft_jax.models.lora_model import merged
 from rft_jax.models.model import Qwen
 from rft_jax.parallel.multihost import global_array
 from rft_jax.parallel.sharding import DEFAULT_RULES, Rules, named_sharding, variable_axes
@@ -175,7 +176,8 @@ def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX
   Writes ``config.json``, ``generation_config.json`` and safetensors in ``dtype`` (default: the
   parameter dtype; ``bfloat16`` halves a float32 master copy), split into shards of at most
   ``max_shard_bytes`` with an index when larger; a tied model has no ``lm_head.weight``.
-  ``tokenizer`` (optional) is saved alongside. ``source``: the HF directory the model came from;
+  A model with LoRA adapters is written merged (:func:`~rft_jax.models.lora_model.merged`: the
+  plain weights ``W + alpha/r A B``). ``tokenizer`` (optional) is saved alongside. ``source``: the HF directory the model came from;
   the fields of its ``config.json`` that the model does not define (``pad_token_id``, ...) are
   kept, and its ``generation_config.json`` (sampling defaults, stop tokens) is copied as it is.
 
@@ -184,6 +186,7 @@ def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX
   """
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
+  model = merged(model)
   config: QwenConfig = model.config
   variables = dict(nnx.to_flat_state(nnx.state(model)))
   expected = hf_keys.expected_tensors(config)

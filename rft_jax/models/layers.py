@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from rft_jax.models.lora import LoraConfig, adapter_delta, projection_adapter
+
 Initializer = Callable[..., Array]
 normal_init = nnx.initializers.normal(stddev=0.02)
 
@@ -98,9 +100,11 @@ def rotate(x: Float[Array, "B T n H"], cos: Float[Array, "B T 1 H"], sin: Float[
 
 
 class MLP(nnx.Module):
-  r"""SwiGLU feed-forward: :math:`W_d\,(\mathrm{silu}(x W_g) \odot x W_u)`."""
+  r"""SwiGLU feed-forward: :math:`W_d\,(\mathrm{silu}(x W_g) \odot x W_u)`, each product with its
+  LoRA adapter's when ``lora`` targets it (:mod:`rft_jax.models.lora`)."""
 
-  def __init__(self, hidden: int, intermediate: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, hidden: int, intermediate: int, *, dtype, param_dtype, rngs: nnx.Rngs,
+               lora: LoraConfig | None = None):
     self.dtype = dtype
     self.gate_proj = param(normal_init, rngs.params(), (hidden, intermediate), param_dtype,
                            ("embed", "mlp"))
@@ -108,9 +112,20 @@ class MLP(nnx.Module):
                          ("embed", "mlp"))
     self.down_proj = param(normal_init, rngs.params(), (intermediate, hidden), param_dtype,
                            ("mlp", "embed"))
+    self.lora_scale = None if lora is None else lora.scale
+    self.gate_lora = projection_adapter(lora, "gate_proj", hidden, intermediate, "embed", "mlp",
+                                        dtype=dtype, rngs=rngs)
+    self.up_lora = projection_adapter(lora, "up_proj", hidden, intermediate, "embed", "mlp",
+                                      dtype=dtype, rngs=rngs)
+    self.down_lora = projection_adapter(lora, "down_proj", intermediate, hidden, "mlp", "embed",
+                                        dtype=dtype, rngs=rngs)
+
+  def _project(self, x: Float[Array, "B T I"], name: str) -> Float[Array, "B T O"]:
+    y = x @ getattr(self, f"{name}_proj")[...].astype(self.dtype)
+    delta = adapter_delta(getattr(self, f"{name}_lora"), self.lora_scale, x)
+    return y if delta is None else y + delta
 
   def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
     x = x.astype(self.dtype)
-    gate = x @ self.gate_proj[...].astype(self.dtype)
-    up = x @ self.up_proj[...].astype(self.dtype)
-    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(self.dtype)
+    gate, up = self._project(x, "gate"), self._project(x, "up")
+    return self._project(jax.nn.silu(gate) * up, "down")

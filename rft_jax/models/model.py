@@ -64,7 +64,7 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
                                             param_dtype=c.param_dtype, rngs=rngs)
     self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype,
-                   param_dtype=c.param_dtype, rngs=rngs)
+                   param_dtype=c.param_dtype, rngs=rngs, lora=c.lora)
 
   def __call__(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
                attention: SelfAttention) -> Float[Array, "B T D"]:

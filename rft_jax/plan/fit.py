@@ -9,6 +9,10 @@ accelerator. Only ``config.json`` is read from ``model.path``. The compiler's
 arguments + outputs - aliased (donated) + temporaries, plus what stays resident beside it
 (the optimizer state while the sampler runs), is at most the device's memory.
 
+With ``model.lora`` the learner's state holds the frozen base (in ``param_dtype``) and the float32
+adapters, AdamW's moments the adapters only; the sampler decodes the merged weights, a copy of
+the targeted weights, while the train state's base and adapters stay resident beside it.
+
 Topologies (:func:`rft_jax.plan.devices.topology`): TPU slices by name (``v5p:2x2x1``,
 ``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ...; needs ``libtpu``, the ``tpu`` extra), NVIDIA GPUs
 (``h100:8``, ``h100:2x8``, ``h200:8``; needs jax's CUDA plugin, see
@@ -31,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model, read_config
+from rft_jax.models.lora_model import adapted_weights
 from rft_jax.models.paged_kv import pages_for
 from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
                               state_shardings, with_shardings)
@@ -62,9 +67,10 @@ def _memory(compiled, hbm: int, resident: int = 0) -> dict[str, Any]:
 
 def model_config(cfg: TrainConfig) -> QwenConfig:
   """The run's architecture and runtime options, from ``model.path/config.json`` alone."""
-  return read_config(cfg.model.path, dtype=DTYPES[cfg.model.dtype],
-                     param_dtype=DTYPES[cfg.model.param_dtype], remat=cfg.model.remat,
-                     attention=cfg.model.attention)
+  config = read_config(cfg.model.path, dtype=DTYPES[cfg.model.dtype],
+                       param_dtype=DTYPES[cfg.model.param_dtype], remat=cfg.model.remat,
+                       attention=cfg.model.attention)
+  return config.replace(lora=cfg.model.lora)
 
 
 def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
@@ -100,6 +106,8 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   learner_report.update(
       compile_seconds=time.perf_counter() - start,
       parameter_bytes=_bytes_per_device(train_state.params),
+      trainable_parameter_bytes=_bytes_per_device(learner.trainable(train_state.params)),
+      trainable_parameters=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.trainable(train_state.params))),
       optimizer_state_bytes=_bytes_per_device(train_state.opt_state),
       reference_bytes=_bytes_per_device(learner.abstract_reference(train_state.params) or {}),
       critic_state_bytes=critic_state_bytes,
@@ -118,9 +126,13 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   sampler_report = None
   if sampler:
     progress("compiling the sampler ...")
-    sampler_report = _plan_sampler(cfg, config, mesh, graphdef, state, topo,
-                                   resident=learner_report["optimizer_state_bytes"]
-                                   + learner_report["reference_bytes"] + critic_state_bytes)
+    resident = (learner_report["optimizer_state_bytes"] + learner_report["reference_bytes"]
+                + critic_state_bytes)
+    if config.lora is not None:  # the sampler reads the merged weights; the train state stays
+      graphdef, state, lora_resident = _merged_sampler_state(config, state)
+      resident += lora_resident
+    sampler_report = _plan_sampler(cfg, config.replace(lora=None), mesh, graphdef, state, topo,
+                                   resident=resident)
     progress(f"sampler: {sampler_report['total_bytes'] / GiB:.1f} GiB per device, compiled in "
              f"{sampler_report['compile_seconds']:.0f} s")
   return {
@@ -130,11 +142,28 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       "model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
                 "hidden_size": config.hidden_size, "dtype": cfg.model.dtype,
                 "param_dtype": cfg.model.param_dtype, "remat": cfg.model.remat,
-                "attention": cfg.model.attention},
+                "attention": cfg.model.attention,
+                "lora": None if config.lora is None else {
+                    "rank": config.lora.rank, "alpha": config.lora.alpha,
+                    "targets": list(config.lora.targets)}},
       "learner": learner_report, "critic": critic_report, "sampler": sampler_report,
       "fits": all(r["fits"] for r in (learner_report, critic_report, sampler_report) if r is not None),
       "warnings": layout_warnings(config, model_axis),
   }
+
+
+def _merged_sampler_state(config: QwenConfig, state) -> tuple[Any, Any, int]:
+  """The sampler's view of a LoRA model's abstract ``state`` (with shardings): the plain
+  model's graph and state (the merged weights take the base weights' shapes, dtypes and
+  layout), and the bytes per device of the train state's parameters the sampler's arguments do
+  not already count (the targeted base weights and the adapters), resident while it runs."""
+  flat = dict(nnx.to_flat_state(state))
+  targets = adapted_weights(config)
+  adapters = {p for pair in targets.values() for p in pair}
+  plain = nnx.from_flat_state([(p, v) for p, v in flat.items() if p not in adapters])
+  graphdef = nnx.split(abstract_model(config.replace(lora=None)))[0]
+  resident = _bytes_per_device([flat[p].get_value() for p in (*targets, *adapters)])
+  return graphdef, plain, resident
 
 
 def _abstract_critic(cfg: TrainConfig, config: QwenConfig, mesh) -> tuple[Critic, Any]:

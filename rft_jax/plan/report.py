@@ -24,16 +24,24 @@ def format_report(report: dict[str, Any]) -> str:
       f"{g(l['temp_bytes'])} + outputs-aliased {g(l['output_bytes'] - l['alias_bytes'])}{critic_state} = "
       f"{g(l['total_bytes'])} GiB  {'fits' if l['fits'] else 'DOES NOT FIT'}  "
       f"(compiled in {l['compile_seconds']:.0f} s)",
+      *_lora_lines(report["model"].get("lora"), l, g),
       *_critic_lines(report.get("critic"), g),
       f"sampler  {s['prompts_per_call']} prompts x {s['rollouts_per_call'] // s['prompts_per_call']} per call, "
       f"{s['rows_in_flight']} rows in flight ({s['scheduler']}) {_cache_words(s)}: KV cache {g(s['kv_cache_bytes'])} GiB; arguments {g(s['argument_bytes'])} + temp "
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
-      f"optimizer state, reference and critic {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
+      f"{_resident_words(report)} {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
       *(f"warning: {w}" for w in report["warnings"]),
       f"fits: {'yes' if report['fits'] else 'NO'}",
   ]
   return "\n".join(lines)
+
+
+def _resident_words(report: dict[str, Any]) -> str:
+  """What stays resident beside the sampler, in words."""
+  if report["model"].get("lora") is None:
+    return "optimizer state, reference and critic"
+  return "optimizer state, reference, critic and the train state's adapted weights and adapters"
 
 
 def _cache_words(s: dict[str, Any]) -> str:
@@ -44,6 +52,17 @@ def _cache_words(s: dict[str, Any]) -> str:
           f"for the prompts; the rest hold {s['rows_at_full_length']} rows at full length, or keep "
           f"every slot busy while samples average up to {s['tokens_per_slot']} tokens; "
           f"{s['max_kv_pages']} pages would fill the device)")
+
+
+def _lora_lines(lora: dict[str, Any] | None, l: dict[str, Any], g) -> list[str]:
+  """What LoRA trains, in words (nothing without it)."""
+  if lora is None:
+    return []
+  return [f"lora     rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])}: "
+          f"{l['trainable_parameters'] / 1e6:.3g}M trainable parameters ({g(l['trainable_parameter_bytes'])} GiB, "
+          f"AdamW's moments of them only) beside the frozen base "
+          f"({g(l['parameter_bytes'] - l['trainable_parameter_bytes'])} GiB); the sampler decodes merged "
+          f"weights, the train state's resident beside it"]
 
 
 def _critic_lines(c: dict[str, Any] | None, g) -> list[str]:

@@ -393,7 +393,7 @@ class Learner(ModelTrainer):
     else:
       normaliser = None
       micros = self._packed_micro_batches(mini, token_index, first_position, row_stride)
-    grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+    grad_fn = self.value_and_grad(self._micro_loss, has_aux=True)
 
     def accumulate(carry, micro):
       grads, loss, counts = carry
@@ -405,7 +405,7 @@ class Learner(ModelTrainer):
     zero_counts = {"clipped_low": 0, "clipped_high": 0, "clipped_dual": 0, "ratio_dev_max": 0.0}
     zero_counts = {k: jnp.asarray(v, jnp.float32 if k == "ratio_dev_max" else jnp.int32)
                    for k, v in zero_counts.items()}
-    init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zero_counts)
+    init = (self.zero_grads(state.params), jnp.zeros((), jnp.float32), zero_counts)
     (grads, loss, counts), stats = jax.lax.scan(accumulate, init, micros)
     state, grad_norm = self.apply_gradients(state, grads)
     if with_stats and token_index is not None:
@@ -471,7 +471,7 @@ class Learner(ModelTrainer):
     lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
 
     if self.is_single_pass(batch.input_ids.shape[0]):
-      grad_fn = jax.value_and_grad(self._single_pass_loss, has_aux=True)
+      grad_fn = self.value_and_grad(self._single_pass_loss, has_aux=True)
       (loss, (counts, stats, masked, chosen, loss_mask, correction)), grads = grad_fn(
           state.params, per_token, response, sampler_logp, first_position, state.step)
       state, grad_norm = self.apply_gradients(state, grads)
@@ -573,10 +573,13 @@ class Learner(ModelTrainer):
 
     Corollary 4 forecasts the change in logit space, as if each token's logits moved by its own
     step; this is what the shared parameters actually do to first order, so the two forecasts'
-    ratio measures how much the coupling through the weights changes the paper's picture."""
-    tangent = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), after, before)
+    ratio measures how much the coupling through the weights changes the paper's picture.
+    ``before``: the trainable parameters only (with LoRA the adapters; the frozen base is
+    ``after``'s)."""
+    tangent = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), self.trainable(after), before)
     _, first_order = jax.jvp(
-        lambda p: self._mean_entropy_fn(p, batch, stats_from_column, entropy_grad=True, token_index=token_index),
+        lambda t: self._mean_entropy_fn(self.with_trainable(after, t), batch, stats_from_column,
+                                        entropy_grad=True, token_index=token_index),
         (before,), (tangent,))
     return self._mean_entropy_fn(after, batch, stats_from_column, token_index=token_index), first_order
 
@@ -687,7 +690,7 @@ class Learner(ModelTrainer):
     reference = self._step_reference()
     if self._train_step is None:
       self._train_step = self._compile(state, batch, reference)
-    before = jax.tree.map(jnp.copy, state.params) if measure else None  # the step donates state
+    before = jax.tree.map(jnp.copy, self.trainable(state.params)) if measure else None  # donated
     new_state, metrics, row_stats = self._train_step(state, batch, reference, column, token_index)
     metrics = {k: float(host_array(v)) for k, v in metrics.items()}
     if measure:

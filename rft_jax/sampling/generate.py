@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rft_jax.models.kv_cache import KVCache, init_cache
+from rft_jax.models.lora_model import merged
 from rft_jax.parallel import (DATA_AXIS, DEFAULT_RULES, Rules, global_array, host_array,
                               named_sharding, tree_shardings, with_shardings)
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
@@ -54,7 +55,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
 
   Args:
     model: a :class:`~rft_jax.models.Qwen` (e.g. ``Learner.model(state)``); its parameter arrays
-      are read in place, with their current shardings.
+      are read in place, with their current shardings. A model with LoRA adapters decodes its
+      :func:`~rft_jax.models.lora_model.merged` weights (made here, once per call).
     prompts: token-id lists, of any lengths >= 1.
     params: the :class:`SamplingParams`; ``stop_token_ids`` must hold the tokenizer's
       end-of-sequence ids.
@@ -80,6 +82,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   prompts = _check_prompts(prompts, model.config.vocab_size)
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
     raise ValueError(f"generate: seed={seed!r} must be an integer in [0, 2**32)")
+  model = merged(model)  # LoRA adapters folded into the weights the decode kernels read
   graphdef, state = nnx.split(model)
   data = 1
   if mesh is None:

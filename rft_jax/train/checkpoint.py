@@ -291,7 +291,8 @@ def _writing(what: str):
 
 def restore_policy(run_dir: str, step: int | None = None):
   """The policy of a run's checkpoint (the base model's structure, the run's parameters; a PPO
-  run's critic is restored with it and dropped).
+  run's critic is restored with it and dropped). A LoRA run's policy comes back merged (a plain
+  model, :meth:`~rft_jax.rl.model_trainer.ModelTrainer.model`).
 
   Returns:
     ``(model, config, step)``: the policy, the run's config and the step restored.
@@ -302,6 +303,9 @@ def restore_policy(run_dir: str, step: int | None = None):
 
   cfg = load_config(os.path.join(run_dir, "config.yaml"))
   model = load_hf(cfg.model.path)
+  if cfg.model.lora is not None:  # the adapters' structure; their values come from the checkpoint
+    from rft_jax.models.lora_model import add_adapters
+    model = add_adapters(model, cfg.model.lora, seed=cfg.seed)
   learner = Learner(model, cfg.learner)
   template = learner.init(model)
   if cfg.learner.algorithm.needs_critic:  # PPO's checkpoints hold the critic too; only the policy is used

@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rft_jax.data.config import DataConfig
 from rft_jax.models.config import ATTENTION_KINDS
+from rft_jax.models.lora import LoraConfig
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
@@ -56,6 +57,11 @@ class ModelConfig:
       directory of the same architecture; empty: the starting weights (``path``).
     critic_path: the decoder PPO's critic starts from (``learner.advantage: gae``), an HF
       directory of the policy's architecture; empty: a copy of the policy's starting weights.
+    lora: train LoRA adapters of the policy instead of all its weights
+      (:class:`~rft_jax.models.lora.LoraConfig`: ``rank``, ``alpha``, ``targets``; e.g.
+      ``model.lora.rank=16``); null (the default): full fine-tuning. The base weights stay
+      frozen in ``param_dtype`` (``bfloat16`` halves them); the adapters and their AdamW
+      moments are float32. A PPO critic is trained in full.
   """
 
   path: str = ""
@@ -65,6 +71,7 @@ class ModelConfig:
   attention: str = "auto"
   ref_path: str = ""
   critic_path: str = ""
+  lora: Optional[LoraConfig] = None
 
   def __post_init__(self):
     if self.attention not in ATTENTION_KINDS:

@@ -28,6 +28,7 @@ from flax import nnx
 from rft_jax import data as data_lib
 from rft_jax.data.config import DataConfig
 from rft_jax.models import load_hf
+from rft_jax.models.lora_model import add_adapters
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
@@ -110,6 +111,13 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
                                          rngs=nnx.Rngs(cfg.seed))
     critic = Critic(value_model, cfg.critic, mesh=mesh)
     critic_state = critic.init(value_model)
+  if cfg.model.lora is not None:  # after the critic's copy: the critic is trained in full
+    model = add_adapters(model, cfg.model.lora, seed=cfg.seed, mesh=mesh)
+    if reference is not None:  # the policy's structure, with adapters that change nothing (B = 0)
+      reference = add_adapters(reference, cfg.model.lora, seed=cfg.seed, mesh=mesh)
+    logger.info("LoRA rank %d, alpha %g on %s: %.3gM trainable parameters; the base is frozen",
+                cfg.model.lora.rank, cfg.model.lora.alpha, ", ".join(cfg.model.lora.targets),
+                sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))) / 1e6)
   learner = Learner(model, cfg.learner, mesh=mesh, reference=reference)
   state = learner.init(model)  # with kl_coef > 0, copies the reference (default: these weights)
   if critic is not None:

@@ -133,8 +133,8 @@ def config_changes(old: dict, cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if not isinstance(tree, dict):
-    return {prefix[:-1]: tree}
+  if not isinstance(tree, dict):  # a tuple setting (model.lora.targets) reads back as a list
+    return {prefix[:-1]: list(tree) if isinstance(tree, tuple) else tree}
   flat = {}
   for key, value in tree.items():
     flat.update(_flatten(value, f"{prefix}{key}."))
