@@ -9,6 +9,8 @@ import pytest
 
 from rft_jax import cli
 from rft_jax.models import QwenConfig
+from rft_jax.plan.fit import _compiled_memory
+from rft_jax.plan.topology import GiB
 
 CONFIG = """
 model: {{path: {model}, dtype: float32, param_dtype: float32, remat: true}}
@@ -180,3 +182,24 @@ def test_plan_errors_are_one_line(tmp_path, capsys):
   assert "xla_force_host_platform_device_count=64" in capsys.readouterr().err
   assert cli.main(["plan", config, "model.path=", "--topology", "cpu:8"]) == 2
   assert "model.path is required" in capsys.readouterr().err
+
+
+def test_a_program_the_compiler_refuses_for_memory_is_reported_as_not_fitting():
+  """The TPU compiler refuses a program whose temporaries alone exceed the device (a 7B sampler
+  call on v5e did): the plan reports the temporaries it names and 'does not fit', and any other
+  compile error still surfaces."""
+  message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+             "temporaries (52.22G) exceeds available HBM (15.75G).")
+
+  def refused():
+    raise jax.errors.JaxRuntimeError(message)
+
+  report = _compiled_memory(refused, hbm=16 * GiB, resident=GiB)
+  assert report["fits"] is False and report["compiler_refused"] == message
+  assert report["temp_bytes"] == int(52.22 * GiB) and report["total_bytes"] == report["temp_bytes"] + GiB
+
+  def broken():
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+    _compiled_memory(broken, hbm=16 * GiB)

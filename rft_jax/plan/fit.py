@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,25 @@ def _bytes_per_device(tree) -> int:
   """Bytes of one device's shards of an abstract tree with shardings (the largest shard)."""
   return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(tree))
+
+
+def _compiled_memory(compile_program: Callable[[], Any], hbm: int, resident: int = 0
+                     ) -> dict[str, Any]:
+  """:func:`_memory` of ``compile_program()``; where the compiler refuses the program for its
+  memory (the TPU compiler does when the temporaries alone exceed the device), the temporaries
+  it names, ``fits`` False and its one line in ``compiler_refused`` (arguments and outputs then
+  unknown, counted 0: the total is a lower bound)."""
+  try:
+    return _memory(compile_program(), hbm, resident)
+  except jax.errors.JaxRuntimeError as exc:
+    line = str(exc).splitlines()[0]
+    needed = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds", line)
+    if "RESOURCE_EXHAUSTED" not in line or needed is None:
+      raise
+    temp = int(float(needed.group(1)) * 1024 ** " KMGT".index(needed.group(2)))
+    return {"argument_bytes": 0, "output_bytes": 0, "alias_bytes": 0, "temp_bytes": temp,
+            "resident_bytes": resident, "total_bytes": temp + resident, "fits": False,
+            "compiler_refused": line}
 
 
 def _memory(compiled, hbm: int, resident: int = 0) -> dict[str, Any]:
@@ -99,10 +118,10 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       sampler_logp=token(jnp.float32))
   progress(f"compiling the learner step ({rows} rows x {width} tokens) for {topo.name} ...")
   start = time.perf_counter()
-  compiled = learner.lower_step(train_state, batch).compile()
   critic = _abstract_critic(cfg, config, mesh) if cfg.learner.algorithm.needs_critic else None
   critic_state_bytes = 0 if critic is None else _bytes_per_device(critic[1])  # resident beside the others
-  learner_report = _memory(compiled, topo.hbm_bytes, critic_state_bytes)
+  learner_report = _compiled_memory(lambda: learner.lower_step(train_state, batch).compile(),
+                                    topo.hbm_bytes, critic_state_bytes)
   learner_report.update(
       compile_seconds=time.perf_counter() - start,
       parameter_bytes=_bytes_per_device(train_state.params),
@@ -183,9 +202,10 @@ def _plan_critic_step(critic: Critic, state, batch: LearnerBatch, topo: Topology
   ids = batch.input_ids
   shifted = lambda dtype: jax.ShapeDtypeStruct((ids.shape[0], ids.shape[1] - 1), dtype, sharding=ids.sharding)
   start = time.perf_counter()
-  compiled = critic.lower_step(state, ids, batch.attention_mask, shifted(jnp.int32), shifted(jnp.float32),
-                               shifted(jnp.float32)).compile()
-  report = _memory(compiled, topo.hbm_bytes, resident)
+  report = _compiled_memory(
+      lambda: critic.lower_step(state, ids, batch.attention_mask, shifted(jnp.int32),
+                                shifted(jnp.float32), shifted(jnp.float32)).compile(),
+      topo.hbm_bytes, resident)
   report.update(compile_seconds=time.perf_counter() - start, parameter_bytes=_bytes_per_device(state.params),
                 optimizer_state_bytes=_bytes_per_device(state.opt_state),
                 micro_batch_size=critic.config.micro_batch_size)
@@ -221,8 +241,8 @@ def _plan_sampler(cfg: TrainConfig, config: QwenConfig, mesh, graphdef, state, t
   spec = call_spec(params, batch * s.n, data)
   in_flight = spec.slots[0] if isinstance(spec, PoolSpec) else batch * s.n
   start = time.perf_counter()
-  compiled = compile_sampler_call(mesh, graphdef, state, spec, batch, width)
-  report = _memory(compiled, topo.hbm_bytes, resident)
+  report = _compiled_memory(lambda: compile_sampler_call(mesh, graphdef, state, spec, batch, width),
+                            topo.hbm_bytes, resident)
   report.update(compile_seconds=time.perf_counter() - start, prompts_per_call=batch,
                 rollouts_per_call=batch * s.n, rows_in_flight=in_flight,
                 scheduler=params.scheduler, prompt_length=width, cache_slots=slots,

@@ -31,6 +31,9 @@ def format_report(report: dict[str, Any]) -> str:
       f"{g(s['temp_bytes'])} + outputs-aliased {g(s['output_bytes'] - s['alias_bytes'])} + "
       f"{_resident_words(report)} {g(s['resident_bytes'])} = {g(s['total_bytes'])} GiB  "
       f"{'fits' if s['fits'] else 'DOES NOT FIT'}  (compiled in {s['compile_seconds']:.0f} s)",
+      *(f"{name}: the compiler refused it ({part['compiler_refused']}); arguments and outputs not "
+        "counted" for name, part in (("learner", l), ("critic", report.get("critic")), ("sampler", s))
+        if part and part.get("compiler_refused")),
       *(f"warning: {w}" for w in report["warnings"]),
       f"fits: {'yes' if report['fits'] else 'NO'}",
   ]
