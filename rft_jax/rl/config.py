@@ -292,7 +292,7 @@ class LearnerConfig:
       raise ValueError(f"learner.dual_clip={self.dual_clip} with learner.objective={self.objective}: "
                        "that objective has no dual clip; set learner.dual_clip=null")
     for method in (configured_class(self.entropy_mask, True), configured_class(self.entropy_method, False)):
-      if method.replaces_loss and self.objective != "ppo":
+      if method.replaces_loss and not entry.replaceable:
         raise ValueError(f"learner.objective={self.objective} with {method.name}: that method "
                          "replaces the PPO loss with its own; set learner.objective=ppo")
       if self.dual_clip is not None and method.replaces_loss:

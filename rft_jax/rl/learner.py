@@ -469,6 +469,7 @@ class Learner(ModelTrainer):
       per_token["ref_logp"] = ref_logp
     sampler_logp = batch.sampler_logp[:, targets]
     lr = self.schedule(state.step * c.mini_batches * c.ppo_epochs)  # at the first update
+    forecasts = []  # Corollary 3's, of each update of a step that takes several
 
     if self.is_single_pass(batch.input_ids.shape[0]):
       grad_fn = self.value_and_grad(self._single_pass_loss, has_aux=True)
@@ -493,19 +494,21 @@ class Learner(ModelTrainer):
                                                             correction)
       loss_mask = per_token["loss_mask"]
       per_token["old_logp"] = stats.logp
-      losses, grad_norms, forecasts = [], [], []
+      losses, grad_norms = [], []
       counts = None
       updates_done = 0
       batch_tokens = jnp.sum(loss_mask > 0)
+      off_policy = c.mini_batches * c.ppo_epochs > 1  # later updates: Corollary 3's forecast
       for _ in range(c.ppo_epochs):
         minis = {k: split_rows(v, c.mini_batches) for k, v in per_token.items()}
         for i in range(c.mini_batches):
           mini = {k: v[i] for k, v in minis.items()}
-          update_lr = self.schedule(start.step * c.mini_batches * c.ppo_epochs + updates_done)
-          state, loss, grad_norm, mini_counts, mini_stats = self._update(
-              state, mini, updates_done == 0, first_position, with_stats=True,
+          state, loss, grad_norm, mini_counts, *mini_stats = self._update(
+              state, mini, updates_done == 0, first_position, with_stats=off_policy,
               token_index=None if token_index is None else token_index[i], row_stride=c.mini_batches)
-          forecasts.append(self._update_entropy_forecast(mini, mini_stats, update_lr, batch_tokens))
+          if off_policy:
+            update_lr = self.schedule(start.step * c.mini_batches * c.ppo_epochs + updates_done)
+            forecasts.append(self._update_entropy_forecast(mini, mini_stats[0], update_lr, batch_tokens))
           losses.append(loss)
           grad_norms.append(grad_norm)
           counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
@@ -515,6 +518,7 @@ class Learner(ModelTrainer):
     n_loss_tokens = jnp.maximum(jnp.sum(loss_mask) * updates_done, 1.0)
     positive, negative = valid & (advantages > 0), valid & (advantages < 0)
     removed = valid & ~masked.keep
+    logp_gap = jnp.abs(sampler_logp - stats.logp)  # the sampler's against the learner's pre-update
     if correction is not None:  # what the entropy mask removed of the tokens the rejection kept
       removed = removed & (correction.keep > 0)
     metrics = {
@@ -532,11 +536,11 @@ class Learner(ModelTrainer):
         "mask_frac_positive": jnp.sum(removed & positive) / jnp.maximum(jnp.sum(positive), 1),
         "mask_frac_negative": jnp.sum(removed & negative) / jnp.maximum(jnp.sum(negative), 1),
         "entropy_change_forecast": batch_entropy_change(advantages, stats.centered, loss_mask, lr),
-        "logp_mismatch": masked_mean(jnp.abs(sampler_logp - stats.logp), valid),
-        "logp_mismatch_max": jnp.max(jnp.where(valid, jnp.abs(sampler_logp - stats.logp), 0.0)),
+        "logp_mismatch": masked_mean(logp_gap, valid),
+        "logp_mismatch_max": jnp.max(jnp.where(valid, logp_gap, 0.0)),
         "response_tokens": jnp.sum(valid),
     }
-    if updates_done > 1:  # Corollary 3: every update at its own parameters, ratios and clips
+    if forecasts:  # Corollary 3: every update at its own parameters, ratios and clips
       metrics["entropy_change_forecast_off_policy"] = jnp.sum(jnp.stack(forecasts))
     if self.entropy_method.chooses_tokens:  # the share of loss tokens the method drops or penalises
       touched = self.entropy_method.touched(chosen)

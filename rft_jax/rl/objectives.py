@@ -33,6 +33,8 @@ class Objective:
     title: how reports name it.
     eps_low / eps_high: the clip range it takes when ``learner.eps_low`` / ``eps_high`` are unset.
     takes_dual_clip: whether ``learner.dual_clip`` applies to it.
+    replaceable: whether the entropy methods that bring a loss of their own (Clip-Cov, KL-Cov:
+      ``TokenMethod.replaces_loss``) may replace it: theirs are PPO's per-token surrogate.
     verl / trl: the peers' settings of the same objective.
     per_token_loss: ``(logp, old_logp, advantages, mask, *, eps_low, eps_high, dual_clip,
       sequence_ids) -> PolicyLossTerms``, all ``[B, T]`` (``mask``: the tokens in the loss;
@@ -44,6 +46,7 @@ class Objective:
   eps_low: float
   eps_high: float
   takes_dual_clip: bool
+  replaceable: bool
   verl: str
   trl: str
   per_token_loss: Callable[..., PolicyLossTerms]
@@ -85,9 +88,9 @@ def _gspo(logp: Float[Array, "B T"], old_logp: Float[Array, "B T"], advantages: 
 
 register_objective(Objective(
     "ppo", "PPO clipped surrogate (per-token ratio)", eps_low=0.2, eps_high=0.2,
-    takes_dual_clip=True, verl="actor.policy_loss.loss_mode=vanilla",
+    takes_dual_clip=True, replaceable=True, verl="actor.policy_loss.loss_mode=vanilla",
     trl='importance_sampling_level="token"', per_token_loss=_ppo))
 register_objective(Objective(
     "gspo", "GSPO (sequence-level ratio)", eps_low=GSPO_EPS_LOW, eps_high=GSPO_EPS_HIGH,
-    takes_dual_clip=False, verl="actor.policy_loss.loss_mode=gspo",
+    takes_dual_clip=False, replaceable=False, verl="actor.policy_loss.loss_mode=gspo",
     trl='importance_sampling_level="sequence"', per_token_loss=_gspo))

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from rft_jax.entropy import masked_mean
+from rft_jax.rl.losses import KL_ESTIMATORS
 
 SAFETY_BOUND = 20.0  # verl's clamp of log-ratios before exponentiating
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -163,7 +164,7 @@ def rejection_keep(log_ratio, valid, bounds: tuple[RejectionBound, ...]) -> tupl
   """``[B, T]`` float keep mask (0 where any option in ``bounds`` rejects) and the rejected
   shares of valid tokens and of sequences; verl's ``compute_rollout_rejection_mask``."""
   safe = jnp.clip(jax.lax.stop_gradient(log_ratio), -SAFETY_BOUND, SAFETY_BOUND)
-  divergence = {"k1": -safe, "k2": 0.5 * jnp.square(safe), "k3": jnp.exp(safe) - 1.0 - safe}
+  divergence = {name: estimate(safe) for name, estimate in KL_ESTIMATORS.items()}  # of log(pi_old / mu)
   reduce = {"seq_sum": _row_sum, "seq_mean": _row_mean,
             "seq_max": lambda x, v: jnp.where(jnp.any(v, -1), jnp.max(jnp.where(v, x, -jnp.inf), -1), 0.0)}
   keep = jnp.ones(log_ratio.shape, jnp.float32)
