@@ -7,6 +7,7 @@ import os
 import pytest
 
 from rft_jax.train.config import ConfigError, TrainConfig, load_config
+from rft_jax.train.resolve import sampling_params
 
 REQUIRED = ["model.path=/m", "data.train_path=/d.jsonl"]
 
@@ -84,6 +85,10 @@ def test_shipped_configs_load_once_paths_are_set(path):
   assert cfg.data.prompts_per_step == 64 and cfg.learner.optim.lr == 4e-7
   assert cfg.sampling.temperature == 1.0 and cfg.eval.temperature == 0.7
   assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)
+  # Paged KV cache, all of a step's rollouts in one call: the dense continuous pool of a call's
+  # rows at the full 8k does not fit a v5p chip (README, Scale).
+  assert cfg.sampling.kv_pages and cfg.sampling.max_rollouts_per_call is None
+  assert sampling_params(cfg, (2,)).kv_pages == cfg.sampling.kv_pages
   name = os.path.basename(path)[:-len(".yaml")].split("b_", 1)[1]  # qwen2_5_7b_kl_cov: kl_cov
   method = ("entropy_mask", name) if name in ("clip_b", "clip_v") else ("entropy_method", name)
   if name.startswith("ppo"):  # PPO with a critic, alone or with a mask

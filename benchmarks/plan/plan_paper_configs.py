@@ -1,9 +1,9 @@
 """The paper's six configs compiled for real topologies with `rft-jax plan` (deviceless; slow).
 
-  python benchmarks/plan/plan_paper_configs.py                 # the six configs as shipped, v5p:2x2x1
+  python benchmarks/plan/plan_paper_configs.py                 # the six configs as shipped (paged), v5p:2x2x1
+  python benchmarks/plan/plan_paper_configs.py sampling.kv_pages=null sampling.scheduler=static \
+      sampling.max_rollouts_per_call=256 --configs qwen2_5_7b_clip_b   # the dense cache: its own table
   python benchmarks/plan/plan_paper_configs.py --topology v6e:2x4 mesh.model=2 learner.micro_batch_size=8
-  python benchmarks/plan/plan_paper_configs.py sampling.max_rollouts_per_call=null \
-      sampling.kv_pages=32768 --configs qwen2_5_7b_clip_b qwen3_4b_clip_b   # paged: its own table
 
 Each config is planned in its own process (`rft-jax plan --json`, model.path set to the
 architecture-only directories under configs/models/); the per-device figures are printed as the
@@ -76,8 +76,7 @@ def main() -> None:
   parser.add_argument("--out", default="runs/plan_paper_configs.jsonl")
   parser.add_argument("overrides", nargs="*", help="dotted overrides for every config")
   args = parser.parse_args()
-  paged = any(o.startswith("sampling.kv_pages=") and o != "sampling.kv_pages=null"
-              for o in args.overrides)
+  paged = "sampling.kv_pages=null" not in args.overrides  # the configs ship with pages
   print(PAGED_HEADER if paged else HEADER)
   os.makedirs(os.path.dirname(os.path.join(ROOT, args.out)), exist_ok=True)
   with open(os.path.join(ROOT, args.out), "a") as log:

@@ -1,6 +1,6 @@
 """The sampler call's temporary bytes per device by scheduler setting, compiled for a TPU
 topology (deviceless, ``rft_jax.plan.fit.compile_sampler_call``) on a small model: how many full
-KV caches each program holds, the question behind the shipped 7B config's continuous sampler
+KV caches each program holds, the question behind the 7B config's continuous sampler on a dense cache
 not fitting v5p:2x2x1 (issue 33).
 
 A random Qwen2-shaped model (2 layers, 2 kv heads of 64, bfloat16 compute) and one call of

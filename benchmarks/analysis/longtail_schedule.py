@@ -1,0 +1,113 @@
+"""How far scheduling alone can take long-tailed CPU rollouts: the continuous pool's steps
+against an ideal batch, priced by measured decode-step times (issue 33).
+
+Measures the CPU decode step (decode + sampling strategy, ``benchmarks/speed/cpu_decode_step.py``'s
+compiled loop) of the peers' ``--model`` at each pool size in ``--sizes``, then replays
+``--trials`` draws of a long-tailed work (``--rows`` samples, lengths geometric with stop
+probability ``--stop-p`` per token, truncated at ``--max-new``) through:
+
+* ``pool``: the sampler's schedule, ``rft_jax.sampling.continuous.pool_sizes`` slots (a waiting
+  sample takes each free slot; once nothing waits, the pool halves whenever its running samples
+  fit the next size), every step priced at its pool size;
+* ``ideal``: every step priced at its number of running samples, as if a batch could shrink by
+  one row at no cost (all rows start at once: what vLLM's scheduler does with enough memory).
+
+Step prices between measured sizes are interpolated linearly. Prefill, admission copies and the
+stages' compaction are not priced, so both are lower bounds of a real call; their ratio says
+how much a better schedule could still gain, and ``ideal`` how fast the step must get to beat a
+time. Prints the per-size step times and the median seconds of each schedule.
+
+    python benchmarks/analysis/longtail_schedule.py --model large --rows 128 --max-new 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from speed.cpu_decode_step import attention_fn, build, loop, prefilled, timed  # noqa: E402
+from rft_jax.sampling.continuous import pool_sizes  # noqa: E402
+
+
+def step_seconds(model_name: str, sizes: list[int], prompt: int, max_new: int, steps: int,
+                 rounds: int) -> dict[int, float]:
+  """Median wall seconds of one decode step + strategy at each batch size."""
+  import jax.numpy as jnp
+  from flax import nnx
+  model = build(model_name)
+  graphdef, state = nnx.split(model)
+  run = loop("step", steps, attention_fn("kernel"))
+  out = {}
+  for size in sizes:
+    tokens, cache = prefilled(model, size, prompt, max_new)
+    uniforms = jnp.asarray(np.random.default_rng(1).random((size, steps)), jnp.float32)
+    logits0 = jnp.zeros((model.config.vocab_size, size), jnp.float32)
+    args = (graphdef, state, tokens, cache, uniforms, logits0)
+    timed(run, *args)
+    out[size] = statistics.median(timed(run, *args)[0] for _ in range(rounds)) / steps
+  return out
+
+
+def price(step: dict[int, float]):
+  sizes = sorted(step)
+  return lambda b: float(np.interp(b, sizes, [step[s] for s in sizes]))
+
+
+def pool_seconds(lengths: list[int], slots: tuple[int, ...], cost) -> float:
+  """The pool schedule of ``rft_jax.sampling.continuous`` replayed on ``lengths``."""
+  queue, running, total, stage = list(lengths), [], 0.0, 0
+  while queue or running:
+    size = slots[stage]
+    while queue and len(running) < size:
+      running.append(queue.pop(0))
+    total += cost(size)
+    running = [left - 1 for left in running if left > 1]
+    while not queue and stage + 1 < len(slots) and len(running) <= slots[stage + 1]:
+      stage += 1
+  return total
+
+
+def ideal_seconds(lengths: list[int], cost) -> float:
+  lengths = np.asarray(lengths)
+  return sum(cost(int(np.sum(lengths > s))) for s in range(int(lengths.max())))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="large", choices=("small", "large"))
+  parser.add_argument("--rows", type=int, default=128)
+  parser.add_argument("--max-new", type=int, default=1024)
+  parser.add_argument("--stop-p", type=float, default=1 / 200)
+  parser.add_argument("--decode-slots", type=int, default=64)
+  parser.add_argument("--stages", type=int, default=5)
+  parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+  parser.add_argument("--prompt", type=int, default=200, help="prompt slots in the timed caches")
+  parser.add_argument("--steps", type=int, default=16)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--trials", type=int, default=20)
+  args = parser.parse_args()
+
+  step = step_seconds(args.model, args.sizes, args.prompt, args.max_new, args.steps, args.rounds)
+  print(f"{args.model}: ms per decode step by batch: "
+        + ", ".join(f"{b}: {s * 1e3:.1f}" for b, s in step.items()))
+  cost = price(step)
+  slots = pool_sizes(args.rows, args.decode_slots, args.stages)
+  rng = np.random.default_rng(0)
+  pool, ideal, tokens = [], [], []
+  for _ in range(args.trials):
+    lengths = np.minimum(rng.geometric(args.stop_p, args.rows), args.max_new).tolist()
+    tokens.append(sum(lengths))
+    pool.append(pool_seconds(lengths, slots, cost))
+    ideal.append(ideal_seconds(lengths, cost))
+  print(f"{args.rows} rows, max {args.max_new} new tokens, ~{statistics.median(tokens):.0f} "
+        f"tokens; medians of {args.trials} draws: pool {slots}: {statistics.median(pool):.1f} s, "
+        f"ideal (a batch of the running rows): {statistics.median(ideal):.1f} s")
+
+
+if __name__ == "__main__":
+  main()
