@@ -13,7 +13,7 @@ import pytest
 
 from rft_jax.models.attention import attend_cache
 from rft_jax.models.paged_kv import (PagedKVCache, paged_attention, pages_for, prompt_pages,
-                                     resolve_kind, write_token)
+                                     resolve_kind, tpu_kernel_fits, write_token)
 
 RNG = np.random.default_rng(0)
 K, N, P, H, G = 2, 24, 4, 16, 3  # kv heads, pages, page size, head width, queries per kv head
@@ -100,6 +100,27 @@ def test_write_token_goes_to_the_slots_page_and_offset():
   assert np.all(np.asarray(out.v[0])[:, t[1, 1], 2] == 7.0)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tpu_kernel_fits_is_what_mosaic_lowers(head_dim):
+  """Lowered for a v5p chip (deviceless, libtpu): jax's TPU kernel takes a head dimension of 128
+  and refuses 64, as :func:`tpu_kernel_fits` says, so ``auto`` never picks a kernel that fails."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as Spec
+
+  from rft_jax.plan.devices import topology
+  one = NamedSharding(Mesh(topology("v5p:2x2x1").devices[:1], ("x",)), Spec())
+  shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=one)  # noqa: E731
+  kernel = jax.jit(functools.partial(paged_attention, kind="pallas_tpu"))
+  args = (shape(8, 8, head_dim), shape(2, 64, 16, head_dim), shape(2, 64, 16, head_dim),
+          shape(8, 16, dtype=jnp.int32), shape(8, dtype=jnp.int32))
+  if tpu_kernel_fits(head_dim):
+    kernel.lower(*args)
+  else:
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):
+      kernel.lower(*args)
+
+
 def test_resolve_kind():
   assert resolve_kind("auto", "tpu") == "pallas_tpu"
   assert resolve_kind("auto", "gpu") == "pallas_gpu"
@@ -107,7 +128,14 @@ def test_resolve_kind():
   assert resolve_kind("auto", "gpu", page_size=16, head_dim=64) == "pallas_gpu"
   assert resolve_kind("auto", "gpu", page_size=12, head_dim=64) == "xla"
   assert resolve_kind("auto", "gpu", page_size=16, head_dim=8) == "xla"
-  assert resolve_kind("auto", "tpu", page_size=12, head_dim=8) == "pallas_tpu"
+  # Mosaic's blocks need a head dimension of a multiple of 128 (any page size): else XLA's gather.
+  assert resolve_kind("auto", "tpu", page_size=12, head_dim=128) == "pallas_tpu"
+  assert resolve_kind("auto", "tpu", page_size=16, head_dim=64) == "xla"
+  with pytest.raises(ValueError, match="pallas_tpu needs a head dimension that is a multiple of "
+                                       "128, not 64"):
+    resolve_kind("pallas_tpu", "tpu", page_size=16, head_dim=64)
+  with pytest.raises(ValueError, match="pallas_gpu needs power-of-two pages"):
+    resolve_kind("pallas_gpu", "gpu", page_size=12, head_dim=64)
   assert resolve_kind("auto", "cpu") == "xla"
   assert resolve_kind("xla", "gpu") == "xla"
   with pytest.raises(ValueError, match="not one of"):

@@ -3,7 +3,7 @@ topology (deviceless, ``rft_jax.plan.fit.compile_sampler_call``) on a small mode
 KV caches each program holds, the question behind the 7B config's continuous sampler on a dense cache
 not fitting v5p:2x2x1 (issue 33).
 
-A random Qwen2-shaped model (2 layers, 2 kv heads of 64, bfloat16 compute) and one call of
+A random Qwen2-shaped model (2 layers, 2 kv heads of ``--head-dim`` (64), bfloat16 compute) and one call of
 ``--prompts`` prompts x ``--n`` samples, prompts of ``--width`` tokens, ``--new`` new tokens, rows
 over ``data`` of the topology's devices. Each ``NAME=KWARGS`` setting is a ``SamplingParams``
 override, e.g.
@@ -47,13 +47,15 @@ def main() -> None:
   parser.add_argument("--n", type=int, default=16)
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--new", type=int, default=2048)
+  parser.add_argument("--head-dim", type=int, default=64,
+                      help="128 for the TPU paged kernel (rft_jax.models.paged_kv.tpu_kernel_fits)")
   args = parser.parse_args()
   topo = topology(args.topology)
   data = len(topo.devices)
   mesh = make_mesh(data=data, model=1, devices=topo.devices)
   config = QwenConfig(model_type="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1024,
                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=64, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+                      head_dim=args.head_dim, dtype=jnp.bfloat16, param_dtype=jnp.float32)
   graphdef, abstract = nnx.split(abstract_model(config))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
   rows = args.prompts * args.n

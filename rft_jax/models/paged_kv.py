@@ -195,13 +195,29 @@ def gpu_kernel_fits(page_size: int, head_dim: int) -> bool:
   return power_of_two(page_size) and power_of_two(head_dim) and head_dim >= 16
 
 
+def tpu_kernel_fits(head_dim: int) -> bool:
+  """Whether the Pallas TPU kernel (Mosaic) takes this head dimension: a multiple of 128, the
+  lane width its blocks' last axis needs (Qwen2.5-0.5B's 64 does not lower; any page size did,
+  compiled for v5p with libtpu, 2026-11-27)."""
+  return head_dim % 128 == 0
+
+
 def resolve_kind(kind: str, platform: str, page_size: int = 16, head_dim: int = 128) -> str:
-  """``auto``: the Pallas kernel of ``platform`` (TPU; GPU where :func:`gpu_kernel_fits`),
-  ``xla`` elsewhere."""
+  """``auto``: the Pallas kernel of ``platform`` where it takes the shapes
+  (:func:`tpu_kernel_fits`, :func:`gpu_kernel_fits`), ``xla`` elsewhere. A kernel named
+  explicitly that cannot take them is refused, in one line."""
   if kind not in PAGED_ATTENTION_KINDS:
     raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
+  tpu_fits, gpu_fits = tpu_kernel_fits(head_dim), gpu_kernel_fits(page_size, head_dim)
+  if kind == "pallas_tpu" and not tpu_fits:
+    raise ValueError(f"paged attention pallas_tpu needs a head dimension that is a multiple of "
+                     f"128, not {head_dim}: use auto or xla")
+  if kind == "pallas_gpu" and not gpu_fits:
+    raise ValueError(f"paged attention pallas_gpu needs power-of-two pages and a power-of-two "
+                     f"head dimension of at least 16, not page_size={page_size}, head_dim="
+                     f"{head_dim}: use auto or xla")
   if kind != "auto":
     return kind
   if platform in ("gpu", "cuda"):
-    return "pallas_gpu" if gpu_kernel_fits(page_size, head_dim) else "xla"
-  return "pallas_tpu" if platform == "tpu" else "xla"
+    return "pallas_gpu" if gpu_fits else "xla"
+  return "pallas_tpu" if platform == "tpu" and tpu_fits else "xla"

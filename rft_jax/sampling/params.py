@@ -83,7 +83,8 @@ class SamplingParams:
       from memory.
     page_size: tokens per page of the paged cache (a power of two suits the Pallas kernels).
     paged_attention: attention over the pages (``rft_jax.models.paged_kv``): ``auto`` (jax's
-      Pallas kernel on a TPU, and on a GPU where Triton takes the shapes; XLA's gather
+      Pallas kernel on a TPU where Mosaic takes the shapes, and on a GPU where Triton does
+      (``rft_jax.models.paged_kv.resolve_kind``); XLA's gather
       elsewhere), ``xla``, ``pallas_gpu``, ``pallas_tpu``. The same samples to the kernels'
       rounding.
   """
