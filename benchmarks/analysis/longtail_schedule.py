@@ -85,6 +85,8 @@ def main() -> None:
   parser.add_argument("--stop-p", type=float, default=1 / 200)
   parser.add_argument("--decode-slots", type=int, default=64)
   parser.add_argument("--stages", type=int, default=5)
+  parser.add_argument("--pool", type=int, nargs="*", default=[],
+                      help="other pool sizes to replay, largest first (e.g. 64 48 32 24 16 12 8)")
   parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
   parser.add_argument("--prompt", type=int, default=200, help="prompt slots in the timed caches")
   parser.add_argument("--steps", type=int, default=16)
@@ -98,15 +100,18 @@ def main() -> None:
   cost = price(step)
   slots = pool_sizes(args.rows, args.decode_slots, args.stages)
   rng = np.random.default_rng(0)
-  pool, ideal, tokens = [], [], []
+  other = tuple(args.pool)
+  pool, custom, ideal, tokens = [], [], [], []
   for _ in range(args.trials):
     lengths = np.minimum(rng.geometric(args.stop_p, args.rows), args.max_new).tolist()
     tokens.append(sum(lengths))
     pool.append(pool_seconds(lengths, slots, cost))
+    custom.append(pool_seconds(lengths, other, cost) if other else 0.0)
     ideal.append(ideal_seconds(lengths, cost))
   print(f"{args.rows} rows, max {args.max_new} new tokens, ~{statistics.median(tokens):.0f} "
-        f"tokens; medians of {args.trials} draws: pool {slots}: {statistics.median(pool):.1f} s, "
-        f"ideal (a batch of the running rows): {statistics.median(ideal):.1f} s")
+        f"tokens; medians of {args.trials} draws: pool {slots}: {statistics.median(pool):.1f} s"
+        + (f", pool {other}: {statistics.median(custom):.1f} s" if other else "")
+        + f", ideal (a batch of the running rows): {statistics.median(ideal):.1f} s")
 
 
 if __name__ == "__main__":
