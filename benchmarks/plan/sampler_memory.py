@@ -1,11 +1,11 @@
 """The sampler call's temporary bytes per device by scheduler setting, compiled for a TPU
 topology (deviceless, ``rft_jax.plan.fit.compile_sampler_call``) on a small model: how many full
-KV caches each program holds, the question behind the 7B config's continuous sampler on a dense cache
-not fitting v5p:2x2x1 (issue 33).
+KV caches each program holds, the question behind the 7B config's continuous sampler on a
+dense cache not fitting v5p:2x2x1 (issue 33).
 
-A random Qwen2-shaped model (2 layers, 2 kv heads of ``--head-dim`` (64), bfloat16 compute) and one call of
-``--prompts`` prompts x ``--n`` samples, prompts of ``--width`` tokens, ``--new`` new tokens, rows
-over ``data`` of the topology's devices. Each ``NAME=KWARGS`` setting is a ``SamplingParams``
+A random Qwen2-shaped model (2 layers, 2 kv heads of ``--head-dim``, 64 by default; bfloat16
+compute) and one call of ``--prompts`` prompts x ``--n`` samples, prompts of ``--width`` tokens,
+``--new`` new tokens, rows over ``data`` of the topology's devices. Each ``NAME=KWARGS`` setting is a ``SamplingParams``
 override, e.g.
 
     python benchmarks/plan/sampler_memory.py 'static=dict(scheduler="static")' 'continuous=dict()' \\

@@ -98,7 +98,8 @@ class SamplingConfig:
   evicted and decoded again, when their shard's pages run out; ``rft-jax plan`` prints the
   pages that fit). None: a full-width cache row per decode slot. Same completions.
   ``paged_attention``: ``auto`` (jax's Pallas kernel on TPUs and GPUs where it takes the
-  shapes, XLA's gather elsewhere: ``rft_jax.models.paged_kv.resolve_kind``), ``xla``, ``pallas_gpu`` or ``pallas_tpu`` (``SamplingParams.paged_attention``).
+  shapes, XLA's gather elsewhere: ``rft_jax.models.paged_kv.resolve_kind``), ``xla``,
+  ``pallas_gpu`` or ``pallas_tpu`` (``SamplingParams.paged_attention``).
   """
 
   n: int = 16
