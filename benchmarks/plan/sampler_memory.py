@@ -5,8 +5,8 @@ dense cache not fitting v5p:2x2x1 (issue 33).
 
 A random Qwen2-shaped model (2 layers, 2 kv heads of ``--head-dim``, 64 by default; bfloat16
 compute) and one call of ``--prompts`` prompts x ``--n`` samples, prompts of ``--width`` tokens,
-``--new`` new tokens, rows over ``data`` of the topology's devices. Each ``NAME=KWARGS`` setting is a ``SamplingParams``
-override, e.g.
+``--new`` new tokens, rows over ``data`` of the topology's devices. Each ``NAME=KWARGS`` setting
+is a ``SamplingParams`` override, e.g.
 
     python benchmarks/plan/sampler_memory.py 'static=dict(scheduler="static")' 'continuous=dict()' \\
         'one_stage=dict(pool_stages=1)' 'two_stages=dict(pool_stages=2)' \\
