@@ -3,10 +3,10 @@ topology (deviceless, ``rft_jax.plan.fit.compile_sampler_call``) on a small mode
 KV caches each program holds, the question behind the 7B config's continuous sampler on a
 dense cache not fitting v5p:2x2x1 (issue 33).
 
-A random Qwen2-shaped model (2 layers, 2 kv heads of ``--head-dim``, 64 by default; bfloat16
-compute) and one call of ``--prompts`` prompts x ``--n`` samples, prompts of ``--width`` tokens,
-``--new`` new tokens, rows over ``data`` of the topology's devices. Each ``NAME=KWARGS`` setting
-is a ``SamplingParams`` override, e.g.
+A random Qwen2-shaped model (``--layers`` layers, 2 by default; 2 kv heads of ``--head-dim``, 64
+by default; bfloat16 compute) and one call of ``--prompts`` prompts x ``--n`` samples, prompts of
+``--width`` tokens, ``--new`` new tokens, rows over ``data`` of the topology's devices. Each
+``NAME=KWARGS`` setting is a ``SamplingParams`` override, e.g.
 
     python benchmarks/plan/sampler_memory.py 'static=dict(scheduler="static")' 'continuous=dict()' \\
         'one_stage=dict(pool_stages=1)' 'two_stages=dict(pool_stages=2)' \\
@@ -47,6 +47,7 @@ def main() -> None:
   parser.add_argument("--n", type=int, default=16)
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--new", type=int, default=2048)
+  parser.add_argument("--layers", type=int, default=2)
   parser.add_argument("--head-dim", type=int, default=64,
                       help="128 for the TPU paged kernel (rft_jax.models.paged_kv.tpu_kernel_fits)")
   args = parser.parse_args()
@@ -54,7 +55,7 @@ def main() -> None:
   data = len(topo.devices)
   mesh = make_mesh(data=data, model=1, devices=topo.devices)
   config = QwenConfig(model_type="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1024,
-                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                      num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
                       head_dim=args.head_dim, dtype=jnp.bfloat16, param_dtype=jnp.float32)
   graphdef, abstract = nnx.split(abstract_model(config))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
