@@ -193,8 +193,8 @@ def mismatch_metrics(learner_logp, sampler_logp, valid) -> dict:
   log_ppl_diff = sampler_mean - learner_mean
   seq_log_ratio = jnp.clip(_row_sum(log_ratio, valid), -SAFETY_BOUND, SAFETY_BOUND)
   return {
-      "mismatch_kl": masked_mean(-log_ratio, valid),
-      "mismatch_k3_kl": masked_mean(jnp.exp(log_ratio) - log_ratio - 1.0, valid),
+      "mismatch_kl": masked_mean(KL_ESTIMATORS["k1"](log_ratio), valid),
+      "mismatch_k3_kl": masked_mean(KL_ESTIMATORS["k3"](log_ratio), valid),
       "learner_ppl": masked_mean(jnp.exp(-learner_mean), rows),
       "sampler_ppl": masked_mean(jnp.exp(-sampler_mean), rows),
       "log_ppl_diff": masked_mean(log_ppl_diff, rows),
