@@ -127,3 +127,44 @@ def test_the_paged_cache_follows_the_pages_not_the_slots(model):
   dense_cache = 128 * (p + m) * token
   one_layer = dense_cache // c.num_hidden_layers
   assert dense - small >= 0.9 * (dense_cache - one_layer - 200 * 16 * token), (dense, small)
+
+
+def test_the_tpu_program_holds_each_layers_pages_once():
+  """Compiled for v5p (deviceless, libtpu) with jax's TPU kernel under the shard vmap: every
+  layer's pages stay in the one layout the kernel reads, so the program holds them once and
+  copies none of them in a step. The pages were once written by a scatter whose layout the TPU
+  compiler put the heads' axis second-minor in: it then copied each layer's whole page pool
+  into the kernel's layout and back at every step (temporaries 2.2 times the pages' bytes
+  where they are now 1.1, ``benchmarks/plan/sampler_memory.py --head-dim 128``)."""
+  import jax
+  import jax.numpy as jnp
+
+  from rft_jax.models import QwenConfig
+  from rft_jax.models.hf import abstract_model
+  from rft_jax.parallel.sharding import state_shardings, with_shardings
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import compile_sampler_call
+  from rft_jax.sampling import SamplingParams
+  from rft_jax.sampling.generate import call_spec
+
+  mesh = make_mesh(data=2, model=2, devices=topology("v5p:2x2x1").devices)
+  config = QwenConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=128, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  graphdef, abstract = nnx.split(abstract_model(config))
+  state = with_shardings(abstract, state_shardings(abstract, mesh))
+  pages, page_size = 1000, 16
+  params = SamplingParams(n=4, max_new_tokens=256, stop_token_ids=(0,), kv_pages=pages,
+                          page_size=page_size, paged_attention="pallas_tpu")
+  # The kernel's bfloat16 products need the default precision (conftest sets "highest").
+  with jax.default_matmul_precision("default"):
+    compiled = compile_sampler_call(mesh, graphdef, state, call_spec(params, 16, 2), 4, 32)
+  hlo = compiled.as_text()
+  # One layer's keys (or values) on a device: its 2 kv heads (4 over model=2), all its shard's
+  # pages.
+  page_shape = re.compile(rf"= bf16\[(?:1,)*2,{pages},{page_size},128\]\{{[^}}]*\}} ([\w-]+)\(")
+  ops = page_shape.findall(hlo)
+  page_bytes = 2 * config.num_hidden_layers * 2 * pages * page_size * 128 * 2  # K and V, bfloat16
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert "scatter" in ops and "copy" not in ops, (sorted(set(ops)), temp / page_bytes)
+  assert temp < 1.6 * page_bytes, temp / page_bytes  # 1.32 (2026-11-27); 2.35 with the copies

@@ -104,15 +104,23 @@ def write_token(cache: PagedKVCache, layer: int, k: Float[Array, "S K H"],
                 v: Float[Array, "S K H"], writing: Array) -> PagedKVCache:
   """``cache`` with each writing slot's new key and value (``[S, K, H]``) stored at its
   position ``lengths[s]`` in layer ``layer`` (the page must be in its block table already);
-  slots that do not write (``writing[s]`` False) change nothing. Lengths are not advanced."""
+  slots that do not write (``writing[s]`` False) change nothing. Lengths are not advanced.
+
+  Each (head, slot) pair's ``[H]`` row is one update of the scatter, indexed by head, page and
+  offset, so the pages keep the layout the kernels read. Indexed by page and offset only, each
+  update a ``[K, H]`` window, the TPU compiler laid the pages out with the heads second-minor
+  and copied each layer's whole page pool into the kernel's layout and back at every step
+  (``tests/test_sampling_paged.py::test_the_tpu_program_holds_each_layers_pages_once``)."""
   page_size, n = cache.page_size, cache.num_pages
   page = jnp.take_along_axis(cache.pages, (cache.lengths // page_size)[:, None], axis=1,
                              mode="clip")[:, 0]
   page = jnp.where(writing, page, n)  # out of range: dropped
   offset = cache.lengths % page_size
+  heads = jnp.arange(cache.k[layer].shape[0])[:, None]  # [K, 1]
 
   def put(pool, new):
-    return pool.at[:, page, offset, :].set(new.transpose(1, 0, 2).astype(pool.dtype), mode="drop")
+    return pool.at[heads, page[None], offset[None]].set(new.transpose(1, 0, 2).astype(pool.dtype),
+                                                        mode="drop")
 
   k_all, v_all = list(cache.k), list(cache.v)
   k_all[layer], v_all[layer] = put(k_all[layer], k), put(v_all[layer], v)
