@@ -266,9 +266,9 @@ def page_plan(config: QwenConfig, mesh, params, prompts: int, prompt_length: int
   Returns:
     ``page_bytes``: one page's keys and values over every layer, per device (the KV heads
     split over ``model`` when they divide it); ``kv_pages``; ``max_kv_pages``: the budget that
-    fills the device if the compiled program's other bytes do not grow with pages (an upper
-    bound: on a small model compiled for v5p its temporaries grew by about 1.5 times the pages'
-    bytes, ``benchmarks/plan/sampler_memory.py``; plan the budget chosen);
+    fills the device if the compiled program's other bytes do not grow with pages (on a small
+    model compiled for v5p its temporaries grow by the pages' bytes and no more,
+    ``benchmarks/plan/sampler_memory.py``; plan the budget chosen);
     ``prompt_pages``: the prompts' pages, which stay for the call; ``rows_at_full_length``:
     samples of ``max_new_tokens`` the other pages hold at once, per shard, each with its copy of
     a partial prompt page;
