@@ -121,6 +121,36 @@ def test_tpu_kernel_fits_is_what_mosaic_lowers(head_dim):
       kernel.lower(*args)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv_heads,slots,mode", [(2, 7, "kv_head"), (1, 8, "batch"), (1, 7, None)])
+def test_tpu_megacore_kind_lowers_split_over_heads_or_slots(kv_heads, slots, mode):
+  """``pallas_tpu_megacore`` lowers jax's TPU kernel for v5p with ``megacore_mode`` by KV head
+  where a device holds an even number of them, else by slot; with neither even, one line."""
+  from jax.experimental.pallas.ops.tpu import paged_attention as tpu_module
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as Spec
+
+  from rft_jax.plan.devices import topology
+  one = NamedSharding(Mesh(topology("v5p:2x2x1").devices[:1], ("x",)), Spec())
+  shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=one)  # noqa: E731
+  args = (shape(slots, 4 * kv_heads, 128), shape(kv_heads, 64, 16, 128),
+          shape(kv_heads, 64, 16, 128), shape(slots, 16, dtype=jnp.int32),
+          shape(slots, dtype=jnp.int32))
+  seen = []
+  kernel = tpu_module.paged_attention
+  with pytest.MonkeyPatch.context() as patch:  # record the mode the kernel is given
+    patch.setattr(tpu_module, "paged_attention",
+                  lambda *a, **kw: seen.append(kw["megacore_mode"]) or kernel(*a, **kw))
+    run = jax.jit(functools.partial(paged_attention, kind="pallas_tpu_megacore"))
+    if mode is None:
+      with pytest.raises(ValueError, match="splits 1 KV heads or 7 slots over two TensorCores"):
+        run.lower(*args)
+    else:
+      with jax.default_matmul_precision("default"):  # Mosaic's bfloat16 products (conftest: highest)
+        run.lower(*args).compile()
+      assert seen == [mode]
+
+
 def test_resolve_kind():
   assert resolve_kind("auto", "tpu") == "pallas_tpu"
   assert resolve_kind("auto", "gpu") == "pallas_gpu"
@@ -138,5 +168,14 @@ def test_resolve_kind():
     resolve_kind("pallas_gpu", "gpu", page_size=12, head_dim=64)
   assert resolve_kind("auto", "cpu") == "xla"
   assert resolve_kind("xla", "gpu") == "xla"
+  # Megacore only where asked for, and only on chips whose device is two TensorCores.
+  assert resolve_kind("auto", "tpu", device_kind="TPU v5") == "pallas_tpu"
+  assert resolve_kind("pallas_tpu_megacore", "tpu", device_kind="TPU v5") == "pallas_tpu_megacore"
+  assert resolve_kind("pallas_tpu_megacore", "tpu", device_kind="TPU v4") == "pallas_tpu_megacore"
+  with pytest.raises(ValueError, match="megacore needs a chip whose device is two TensorCores "
+                                       r"\(TPU v4, TPU v5\), not 'TPU v5 lite'"):
+    resolve_kind("pallas_tpu_megacore", "tpu", device_kind="TPU v5 lite")
+  with pytest.raises(ValueError, match="pallas_tpu_megacore needs a head dimension"):
+    resolve_kind("pallas_tpu_megacore", "tpu", head_dim=64, device_kind="TPU v5")
   with pytest.raises(ValueError, match="not one of"):
     resolve_kind("flash", "gpu")

@@ -13,6 +13,11 @@ The layout of one layer is that of the paged-attention kernels that ship with ja
 ``[K, N, P, H]`` for keys and for values. :func:`paged_attention` runs
 
 * ``pallas_tpu``: ``jax.experimental.pallas.ops.tpu.paged_attention`` on TPUs;
+* ``pallas_tpu_megacore``: the same kernel split over the two TensorCores of a megacore chip
+  (v4, v5p; ``megacore_mode``: by KV head where a device holds an even number, else by slot).
+  Without it the kernel's grid runs on one of them. Opt-in, never picked by ``auto``: jax's
+  kernel says it may hang on a chip without megacore, it compiles for v5e and v6e all the same
+  (so a compile cannot catch that), and it has not been run here (no TPU was lent);
 * ``pallas_gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` on GPUs (Triton), which
   also runs on CPU in Pallas' interpret mode (``pallas_gpu_interpret``, for tests);
 * ``xla``: a gather of each slot's pages, then the masked softmax of
@@ -38,7 +43,10 @@ from rft_jax.models.attention import MASKED_SCORE
 from rft_jax.models.config import QwenConfig
 from rft_jax.parallel.mesh import axis_if_divides
 
-PAGED_ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu")
+PAGED_ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu",
+                         "pallas_tpu_megacore")
+# The TPU chips whose jax device is two TensorCores (megacore): v4 and v5p (v5e is "TPU v5 lite").
+MEGACORE_DEVICE_KINDS = ("TPU v4", "TPU v5")
 
 
 @flax.struct.dataclass
@@ -148,10 +156,17 @@ def paged_attention(q: Float[Array, "S N H"], k_pages: Float[Array, "K N P H"],
                          out_specs=P(None, heads, None))(q, k_pages, v_pages, pages, lengths)
   s, n_heads, h = q.shape
   scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # the kernels do not scale
-  if kind == "pallas_tpu":
+  if kind in ("pallas_tpu", "pallas_tpu_megacore"):
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
     per_block = _pages_per_block(pages.shape[1])
-    return tpu_kernel(scaled, k_pages, v_pages, lengths, pages, pages_per_compute_block=per_block)
+    megacore = None
+    if kind == "pallas_tpu_megacore":
+      megacore = "kv_head" if k_pages.shape[0] % 2 == 0 else "batch" if s % 2 == 0 else None
+      if megacore is None:
+        raise ValueError(f"paged attention pallas_tpu_megacore splits {k_pages.shape[0]} KV heads "
+                         f"or {s} slots over two TensorCores: one must be even")
+    return tpu_kernel(scaled, k_pages, v_pages, lengths, pages, pages_per_compute_block=per_block,
+                      megacore_mode=megacore)
   if kind in ("pallas_gpu", "pallas_gpu_interpret"):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_kernel
     pages, per_block, splits = _gpu_block_tables(pages, k_pages.shape[2])
@@ -210,16 +225,23 @@ def tpu_kernel_fits(head_dim: int) -> bool:
   return head_dim % 128 == 0
 
 
-def resolve_kind(kind: str, platform: str, page_size: int = 16, head_dim: int = 128) -> str:
+def resolve_kind(kind: str, platform: str, page_size: int = 16, head_dim: int = 128,
+                 device_kind: str | None = None) -> str:
   """``auto``: the Pallas kernel of ``platform`` where it takes the shapes
   (:func:`tpu_kernel_fits`, :func:`gpu_kernel_fits`), ``xla`` elsewhere. A kernel named
-  explicitly that cannot take them is refused, in one line."""
+  explicitly that cannot take them is refused, in one line; so is ``pallas_tpu_megacore`` on a
+  device (``device_kind``, when given) that is not a megacore chip."""
   if kind not in PAGED_ATTENTION_KINDS:
     raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
   tpu_fits, gpu_fits = tpu_kernel_fits(head_dim), gpu_kernel_fits(page_size, head_dim)
-  if kind == "pallas_tpu" and not tpu_fits:
-    raise ValueError(f"paged attention pallas_tpu needs a head dimension that is a multiple of "
+  if kind in ("pallas_tpu", "pallas_tpu_megacore") and not tpu_fits:
+    raise ValueError(f"paged attention {kind} needs a head dimension that is a multiple of "
                      f"128, not {head_dim}: use auto or xla")
+  if (kind == "pallas_tpu_megacore" and device_kind is not None
+      and device_kind not in MEGACORE_DEVICE_KINDS):
+    raise ValueError(f"paged attention pallas_tpu_megacore needs a chip whose device is two "
+                     f"TensorCores ({', '.join(MEGACORE_DEVICE_KINDS)}), not {device_kind!r}: "
+                     f"use auto or pallas_tpu")
   if kind == "pallas_gpu" and not gpu_fits:
     raise ValueError(f"paged attention pallas_gpu needs power-of-two pages and a power-of-two "
                      f"head dimension of at least 16, not page_size={page_size}, head_dim="

@@ -204,7 +204,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype)
     pool_axes = pool_cache.logical_axes()
     pool_cache = constrain(pool_cache, pool_axes, mesh, rules)
-  paged_kind = resolve_kind(spec.paged_attention, platform, spec.page_size, model.config.head_dim)
+  paged_kind = resolve_kind(spec.paged_attention, platform, spec.page_size, model.config.head_dim,
+                            loop.device_kind_of(mesh))
   pool = PoolState(
       admitted=jnp.zeros((), jnp.int32),
       sample=jnp.full((size,), r, jnp.int32),

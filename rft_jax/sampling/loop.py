@@ -313,8 +313,16 @@ def cpu_attention_for(cache: KVCache, mesh: Mesh | None):
 
 def platform_of(mesh: Mesh | None) -> str:
   """``cpu``, ``gpu`` or ``tpu``: the platform of ``mesh``'s devices (else the default ones)."""
-  devices = mesh.devices.flat if mesh is not None else jax.devices()
-  return next(iter(devices)).platform
+  return _first_device(mesh).platform
+
+
+def device_kind_of(mesh: Mesh | None) -> str:
+  """The ``device_kind`` of ``mesh``'s devices (else the default ones), e.g. ``TPU v5``."""
+  return _first_device(mesh).device_kind
+
+
+def _first_device(mesh: Mesh | None):
+  return next(iter(mesh.devices.flat if mesh is not None else jax.devices()))
 
 
 def _grow(cache: KVCache, slots: int, repeats: int) -> KVCache:

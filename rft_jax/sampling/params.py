@@ -85,8 +85,9 @@ class SamplingParams:
     paged_attention: attention over the pages (``rft_jax.models.paged_kv``): ``auto`` (jax's
       Pallas kernel on a TPU where Mosaic takes the shapes, and on a GPU where Triton does
       (``rft_jax.models.paged_kv.resolve_kind``); XLA's gather
-      elsewhere), ``xla``, ``pallas_gpu``, ``pallas_tpu``. The same samples to the kernels'
-      rounding.
+      elsewhere), ``xla``, ``pallas_gpu``, ``pallas_tpu``, ``pallas_tpu_megacore`` (the TPU
+      kernel over both TensorCores of a v4 or v5p chip; opt-in, not yet run on one). The same
+      samples to the kernels' rounding.
   """
 
   n: int = 1

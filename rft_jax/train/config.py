@@ -99,7 +99,8 @@ class SamplingConfig:
   pages that fit). None: a full-width cache row per decode slot. Same completions.
   ``paged_attention``: ``auto`` (jax's Pallas kernel on TPUs and GPUs where it takes the
   shapes, XLA's gather elsewhere: ``rft_jax.models.paged_kv.resolve_kind``), ``xla``,
-  ``pallas_gpu`` or ``pallas_tpu`` (``SamplingParams.paged_attention``).
+  ``pallas_gpu``, ``pallas_tpu`` or ``pallas_tpu_megacore`` (v4 and v5p chips' two
+  TensorCores; opt-in) (``SamplingParams.paged_attention``).
   """
 
   n: int = 16
