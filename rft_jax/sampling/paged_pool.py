@@ -83,7 +83,7 @@ def _release(s: PagedPoolState, slots: Bool[Array, "S"]) -> PagedPoolState:
   return s.replace(free=free, free_count=s.free_count + jnp.sum(own))
 
 
-def _admit(s: PagedPoolState, first: Int[Array, "R"], n: int, prompt_lengths: Int[Array, "B"],
+def admit(s: PagedPoolState, first: Int[Array, "R"], n: int, prompt_lengths: Int[Array, "B"],
            prompt_width: int, queued: Int[Array, ""]) -> PagedPoolState:
   """Free slots take waiting samples, as many as the free pages allow (one each, besides the
   pages the running slots take this step)."""
@@ -195,12 +195,10 @@ def initial_paged_state(pool: PoolState, prompt_k: tuple[Float[Array, "B K H P"]
                         evictions=zero)
 
 
-def paged_step(s: PagedPoolState, decode, first: Int[Array, "R"], n: int,
-               prompt_lengths: Int[Array, "B"], prompt_width: int, queued: Int[Array, ""]
-               ) -> PagedPoolState:
-  """One iteration of the paged pool: admit, allocate, decode (``decode(state)`` returns the
-  state after a decode step), free the pages of the samples that ended."""
-  s = _admit(s, first, n, prompt_lengths, prompt_width, queued)
+def decode_step(s: PagedPoolState, decode) -> PagedPoolState:
+  """One decode step of the paged pool, after :func:`admit`: allocate, decode
+  (``decode(state)`` returns the state after a decode step), free the pages of the samples that
+  ended."""
   s = _allocate(s)
   before = s.running
   s = decode(s)

@@ -9,9 +9,14 @@ data-parallel group of devices holds ``kv_pages`` pages (their heads split over 
 not a copy of one global pool, and no step gathers pages across shards.
 
 Every array of the pools' state has a leading shard axis ``[D, ...]`` laid out over ``data``;
-each step is :func:`jax.vmap` of the one-pool step (admit, allocate or evict, decode, release)
-over it, and the loops run while any shard is busy (a shard with nothing left to admit steps on
-its running samples, or on nothing). A stage's compaction keeps ``size / D`` slots per shard.
+admission and each decode step (allocate or evict, decode, release) are :func:`jax.vmap` of the
+one-pool functions over it, and the loops run while any shard is busy (a shard with nothing
+left to admit steps on its running samples, or on nothing). Admission copies pages (two
+scatters a layer), so it runs only when a slot could take a waiting sample: an inner loop
+decodes until some shard has a free slot and a sample waiting, then the outer loop admits
+(on the peers' 0.5B GPU shapes, 48 of a step's 427 kernels; a ``lax.cond`` around the copies
+made XLA copy whole page pools instead). A step with nothing to admit would admit nothing, so
+the schedule is that of admitting at every step. A stage's compaction keeps ``size / D`` slots per shard.
 Samples depend only on their prompt, their sample index and the seed, so which shard, slot or
 step decodes them changes nothing: the samples are those of one pool, and of the static
 program.
@@ -106,11 +111,23 @@ def run_paged(pool: PoolState, decode, uniforms: Float[Array, "R M"], prompt_cac
                                  tuple(map(split, prompt_cache.v)), prompt_lengths, queue))
   prompt_width = pages_for(prompt_cache.max_len, spec.page_size)
 
-  def one_step(s, first, lengths, uniforms, queued):
-    return paged_pool.paged_step(s, lambda x: decode(x, uniforms), first, spec.n, lengths,
-                                 prompt_width, queued)
-  # spmd_axis_name: a sharding constraint inside the step gets the shard axis on data.
-  step = jax.vmap(one_step, spmd_axis_name=DATA_AXIS if shards > 1 else None)
+  # spmd_axis_name: a sharding constraint inside a step gets the shard axis on data.
+  on_shards = functools.partial(jax.vmap, spmd_axis_name=DATA_AXIS if shards > 1 else None)
+  admit = on_shards(lambda s, first, lengths, queued: paged_pool.admit(
+      s, first, spec.n, lengths, prompt_width, queued))
+  decode_step = on_shards(lambda s, uniforms: paged_pool.decode_step(
+      s, lambda x: decode(x, uniforms)))
+
+  def can_admit(s):  # some shard has a free slot and a waiting sample
+    return jnp.any((s.admitted < queued) & jnp.any(~s.running, axis=1))
+
+  def admit_then_decode(s, busy):
+    """Admission, then decode steps until a slot can take a waiting sample (at least one)."""
+    s = keep(admit(s, first, prompt_lengths, queued))
+    s, _ = jax.lax.while_loop(
+        lambda c: c[1] | (busy(c[0]) & ~can_admit(c[0])),
+        lambda c: (keep(decode_step(c[0], uniforms)), jnp.bool_(False)), (s, jnp.bool_(True)))
+    return s
 
   for stage, size in enumerate(spec.slots):
     size //= shards
@@ -121,8 +138,7 @@ def run_paged(pool: PoolState, decode, uniforms: Float[Array, "R M"], prompt_cac
 
     def busy(s, smaller=smaller):  # some shard's samples wait, or run past the next size
       return jnp.any((s.admitted < queued) | (jnp.sum(s.running, axis=1) > smaller))
-    state = jax.lax.while_loop(
-        busy, lambda s: keep(step(s, first, prompt_lengths, uniforms, queued)), state)
+    state = jax.lax.while_loop(busy, lambda s, busy=busy: admit_then_decode(s, busy), state)
   rows = ("batch", None)
   return PagedPoolState(
       admitted=jnp.sum(state.admitted), sample=None, steps=None, last_tokens=None, running=None,
