@@ -84,7 +84,7 @@ def _release(s: PagedPoolState, slots: Bool[Array, "S"]) -> PagedPoolState:
 
 
 def admit(s: PagedPoolState, first: Int[Array, "R"], n: int, prompt_lengths: Int[Array, "B"],
-           prompt_width: int, queued: Int[Array, ""]) -> PagedPoolState:
+          prompt_width: int, queued: Int[Array, ""]) -> PagedPoolState:
   """Free slots take waiting samples, as many as the free pages allow (one each, besides the
   pages the running slots take this step)."""
   cache = s.cache
