@@ -146,7 +146,7 @@ def test_tpu_megacore_kind_lowers_split_over_heads_or_slots(kv_heads, slots, mod
       with pytest.raises(ValueError, match="splits 1 KV heads or 7 slots over two TensorCores"):
         run.lower(*args)
     else:
-      with jax.default_matmul_precision("default"):  # Mosaic's bfloat16 products (conftest: highest)
+      with jax.default_matmul_precision("default"):  # Mosaic: bfloat16 products
         run.lower(*args).compile()
       assert seen == [mode]
 
