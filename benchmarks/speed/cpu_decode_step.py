@@ -14,6 +14,12 @@ setting: no truncation). Each part is also timed alone, to split the step:
 * ``strategy``: the strategy alone on fixed ``[V, B]`` logits (a different uniform per step);
 * ``no attention``: the decode step + strategy with attention replaced by its queries.
 
+It also prints the bytes of weights a step reads and, beside it, the machine's copy bandwidth:
+at a few rows a step streams every weight from memory (the peers' large model: 160 MiB of
+float32 weights, five times the L3 cache of the machine below). ``--model large --rows 1 --kinds
+step`` (2026-11-27, 2 cores, load average 3 from a compile at low priority): 12.3 ms a step,
+weights read at 13.7 GB/s, where numpy copies 30.4 GB/s (read + write); at 64 rows, 81.9 ms.
+
 Contenders alternate round by round; the table gives milliseconds per step and per row (median
 over rounds) in wall time and in process CPU time (both cores: a step that keeps two cores busy
 shows about twice its wall time).
@@ -115,6 +121,20 @@ def timed(fn, graphdef, state, tokens, cache, *args) -> tuple[float, float]:
   return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def copy_bandwidth(nbytes: int = 2**29, rounds: int = 5) -> float:
+  """Bytes per second (read + write) of the best of ``rounds`` numpy copies of ``nbytes``."""
+  src = np.ones(nbytes // 4, np.float32)
+  dst = np.empty_like(src)
+  best = min(_timed_copy(src, dst) for _ in range(rounds))
+  return 2 * nbytes / best
+
+
+def _timed_copy(src, dst) -> float:
+  start = time.perf_counter()
+  np.copyto(dst, src)
+  return time.perf_counter() - start
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="small", choices=("small", "large"))
@@ -146,6 +166,12 @@ def main() -> None:
       times[kind].append(timed(run, *call_args))
   print(f"{args.model}, {args.rows} rows, prompt {args.prompt}, {args.steps} steps, "
         f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  read = feature_major.decode_weights(model)  # all but the embedding table (a row a token)
+  weights = sum(x.nbytes for x in jax.tree.leaves((read.layers, read.norm, read.unembed)))
+  if "step" in times:
+    step = statistics.median(w for w, _ in times["step"]) / args.steps
+    print(f"a step reads {weights / 2**20:.0f} MiB of weights: {weights / step / 1e9:.1f} GB/s at "
+          f"this batch; the machine copies {copy_bandwidth() / 1e9:.1f} GB/s (numpy, 512 MiB)")
   print("| part | wall ms/step | CPU ms/step | wall ms/row | CPU ms/row | min wall ms/step |")
   print("|---|---|---|---|---|---|")
   for kind, ts in times.items():
