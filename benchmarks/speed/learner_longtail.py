@@ -28,8 +28,10 @@ average 3.4-6), ``--models small --shapes a --repeats 2 --warmup 0`` (lr 1e-3 th
 are real tokens; first steps (compile included) 383 s and 114 s; loss equal to 2.5e-7, gradient
 norm equal. ``--models small --shapes b --repeats 1 --warmup 0`` (2026-11-27, load average 1.5-2):
 rows 255 s, tokens 97.2 s a step, 2.62x; first steps 311 s and 115 s; 39% of the slots real;
-parameter moves equal to 4.4e-6 of their size, loss to 8.6e-8. The large model takes 20-60
-minutes a contender on that machine and was not run there.
+parameter moves equal to 4.4e-6 of their size, loss to 8.6e-8. ``--models large --shapes b
+--repeats 1 --warmup 0`` (2026-11-27, other work beside it at lower priority): rows 1,612 s,
+tokens 636 s a step, 2.53x; first steps 1,642 s and 728 s; parameter moves equal to 7.5e-5 of
+their size, loss to 8.6e-8, gradient norm equal.
 """
 
 from __future__ import annotations
