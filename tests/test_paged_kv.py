@@ -100,17 +100,23 @@ def test_write_token_goes_to_the_slots_page_and_offset():
   assert np.all(np.asarray(out.v[0])[:, t[1, 1], 2] == 7.0)
 
 
+def _v5p_chip_arrays():
+  """``shape(*dims, dtype=bfloat16)``: abstract arrays on one chip of a v5p topology
+  (deviceless, libtpu)."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as Spec
+
+  from rft_jax.plan.devices import topology
+  chip = NamedSharding(Mesh(topology("v5p:2x2x1").devices[:1], ("x",)), Spec())
+  return lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=chip)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tpu_kernel_fits_is_what_mosaic_lowers(head_dim):
   """Lowered for a v5p chip (deviceless, libtpu): jax's TPU kernel takes a head dimension of 128
   and refuses 64, as :func:`tpu_kernel_fits` says, so ``auto`` never picks a kernel that fails."""
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as Spec
-
-  from rft_jax.plan.devices import topology
-  one = NamedSharding(Mesh(topology("v5p:2x2x1").devices[:1], ("x",)), Spec())
-  shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=one)  # noqa: E731
+  shape = _v5p_chip_arrays()
   kernel = jax.jit(functools.partial(paged_attention, kind="pallas_tpu"))
   args = (shape(8, 8, head_dim), shape(2, 64, 16, head_dim), shape(2, 64, 16, head_dim),
           shape(8, 16, dtype=jnp.int32), shape(8, dtype=jnp.int32))
@@ -127,12 +133,8 @@ def test_tpu_megacore_kind_lowers_split_over_heads_or_slots(kv_heads, slots, mod
   """``pallas_tpu_megacore`` lowers jax's TPU kernel for v5p with ``megacore_mode`` by KV head
   where a device holds an even number of them, else by slot; with neither even, one line."""
   from jax.experimental.pallas.ops.tpu import paged_attention as tpu_module
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as Spec
 
-  from rft_jax.plan.devices import topology
-  one = NamedSharding(Mesh(topology("v5p:2x2x1").devices[:1], ("x",)), Spec())
-  shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=one)  # noqa: E731
+  shape = _v5p_chip_arrays()
   args = (shape(slots, 4 * kv_heads, 128), shape(kv_heads, 64, 16, 128),
           shape(kv_heads, 64, 16, 128), shape(slots, 16, dtype=jnp.int32),
           shape(slots, dtype=jnp.int32))

@@ -166,8 +166,9 @@ def main() -> None:
       times[kind].append(timed(run, *call_args))
   print(f"{args.model}, {args.rows} rows, prompt {args.prompt}, {args.steps} steps, "
         f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-  read = feature_major.decode_weights(model)  # all but the embedding table (a row a token)
-  weights = sum(x.nbytes for x in jax.tree.leaves((read.layers, read.norm, read.unembed)))
+  read = jax.eval_shape(lambda: feature_major.decode_weights(model))  # shapes, no copy
+  weights = sum(x.size * x.dtype.itemsize  # all but the embedding table (a row a token)
+                for x in jax.tree.leaves((read.layers, read.norm, read.unembed)))
   if "step" in times:
     step = statistics.median(w for w, _ in times["step"]) / args.steps
     print(f"a step reads {weights / 2**20:.0f} MiB of weights: {weights / step / 1e9:.1f} GB/s at "

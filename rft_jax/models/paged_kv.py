@@ -45,6 +45,7 @@ from rft_jax.parallel.mesh import axis_if_divides
 
 PAGED_ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu",
                          "pallas_tpu_megacore")
+TPU_KERNEL_KINDS = ("pallas_tpu", "pallas_tpu_megacore")  # jax's TPU kernel, one or two cores
 # The TPU chips whose jax device is two TensorCores (megacore): v4 and v5p (v5e is "TPU v5 lite").
 MEGACORE_DEVICE_KINDS = ("TPU v4", "TPU v5")
 
@@ -156,7 +157,7 @@ def paged_attention(q: Float[Array, "S N H"], k_pages: Float[Array, "K N P H"],
                          out_specs=P(None, heads, None))(q, k_pages, v_pages, pages, lengths)
   s, n_heads, h = q.shape
   scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # the kernels do not scale
-  if kind in ("pallas_tpu", "pallas_tpu_megacore"):
+  if kind in TPU_KERNEL_KINDS:
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
     per_block = _pages_per_block(pages.shape[1])
     megacore = None
@@ -234,7 +235,7 @@ def resolve_kind(kind: str, platform: str, page_size: int = 16, head_dim: int = 
   if kind not in PAGED_ATTENTION_KINDS:
     raise ValueError(f"paged attention kind {kind!r} is not one of {PAGED_ATTENTION_KINDS}")
   tpu_fits, gpu_fits = tpu_kernel_fits(head_dim), gpu_kernel_fits(page_size, head_dim)
-  if kind in ("pallas_tpu", "pallas_tpu_megacore") and not tpu_fits:
+  if kind in TPU_KERNEL_KINDS and not tpu_fits:
     raise ValueError(f"paged attention {kind} needs a head dimension that is a multiple of "
                      f"128, not {head_dim}: use auto or xla")
   if (kind == "pallas_tpu_megacore" and device_kind is not None
