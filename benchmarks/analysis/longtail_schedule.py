@@ -95,7 +95,9 @@ def main() -> None:
   args = parser.parse_args()
 
   step = step_seconds(args.model, args.sizes, args.prompt, args.max_new, args.steps, args.rounds)
-  print(f"{args.model}: ms per decode step by batch: "
+  from rft_jax.models import cpu_attention
+  print(f"{args.model} (attention: {'the kernel' if cpu_attention.available() else 'XLA'}): "
+        "ms per decode step by batch: "
         + ", ".join(f"{b}: {s * 1e3:.1f}" for b, s in step.items()))
   cost = price(step)
   slots = pool_sizes(args.rows, args.decode_slots, args.stages)

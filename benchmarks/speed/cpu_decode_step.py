@@ -59,8 +59,12 @@ STRATEGY = Strategy()  # temperature > 0, no truncation
 
 
 def attention_fn(name: str):
+  """The decode step's attention: ``kernel`` (built here where it is not, as ``rft-jax
+  build-kernels`` does; XLA's where it cannot be), ``xla`` or ``none`` (the queries)."""
   if name == "none":
     return lambda q, k, v, mask: q
+  if name == "kernel":
+    cpu_attention.build()
   if name == "xla" or not cpu_attention.available():
     return feature_major.attend
   return cpu_attention.attend
@@ -164,8 +168,10 @@ def main() -> None:
   for _ in range(args.rounds):
     for kind, run in runs.items():
       times[kind].append(timed(run, *call_args))
+  kernel = args.attention == "kernel" and cpu_attention.available()
   print(f"{args.model}, {args.rows} rows, prompt {args.prompt}, {args.steps} steps, "
-        f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+        f"attention: {'the kernel' if kernel else 'XLA'}")
   read = jax.eval_shape(lambda: feature_major.decode_weights(model))  # shapes, no copy
   weights = sum(x.size * x.dtype.itemsize  # all but the embedding table (a row a token)
                 for x in jax.tree.leaves((read.layers, read.norm, read.unembed)))

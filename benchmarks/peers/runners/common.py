@@ -52,10 +52,11 @@ def split_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
           "sampler_logp": batch["sampler_logp"][:, start:], "advantages": batch["advantages"]}
 
 
-def serve(setup, packages: tuple[str, ...]) -> None:
+def serve(setup, packages: tuple[str, ...], about=None) -> None:
   """Runs a runner: ``setup(spec)`` returns ``{work: fn(seed) -> tokens or None}``; each command
   is timed around ``fn`` (which must return only when its work is finished). The ready line
-  carries the installed versions of ``packages``."""
+  carries the installed versions of ``packages`` and, after setup, ``about()``'s ``{name: text}``
+  (what else decides the contender's speed)."""
   from importlib.metadata import version
   answers = os.fdopen(os.dup(1), "w", buffering=1)
   os.dup2(2, 1)  # library prints go to stderr
@@ -64,7 +65,7 @@ def serve(setup, packages: tuple[str, ...]) -> None:
     spec = json.load(f)
   try:
     works = setup(spec)
-    versions = {p: version(p) for p in packages}
+    versions = {p: version(p) for p in packages} | (about() if about else {})
     answers.write(json.dumps({"ready": sorted(works), "versions": versions}) + "\n")
   except Exception as e:  # noqa: BLE001 - the driver prints the reason in the table
     traceback.print_exc()

@@ -9,6 +9,10 @@ e2e: ``generate`` 8 prompts x 4 samples from the current parameters, rewards and
 longtail_128 / longtail_512: ``generate`` of the spec's long-tailed work (``peers.spec.LONGTAIL``:
   n = 8 samples a prompt, its stop tokens), with the spec's ``scheduler`` and ``decode_slots``
   (``RFT_JAX_BENCH_SCHEDULER`` in the environment overrides the scheduler).
+
+On CPU the runner builds the decode attention kernel where it is not built (``rft-jax
+build-kernels``, as ``launch/local.sh`` does: a new machine has none, and without it the sampler
+decodes with XLA's attention) and its ready line says whether the kernel is on.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import group_advantages, load_batch, reward, serve  # noqa: E402
-from rft_jax.models import load_hf  # noqa: E402
+from rft_jax.models import cpu_attention, load_hf  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner, LearnerBatch  # noqa: E402
 from rft_jax.rl.optimizer import OptimizerConfig  # noqa: E402
@@ -32,6 +36,8 @@ from rft_jax.sampling.rollouts import learner_arrays  # noqa: E402
 
 
 def setup(spec: dict) -> dict:
+  if jax.default_backend() == "cpu":  # as `rft-jax build-kernels` (launch/local.sh) does
+    cpu_attention.build()
   model = load_hf(spec["checkpoint"])
   vocab = model.config.vocab_size
   config = LearnerConfig(optim=OptimizerConfig(lr=spec["lr"]), forecast_every=0, temperature=spec["temperature"])
@@ -78,4 +84,5 @@ def setup(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-  serve(setup, ("jax", "flax"))
+  serve(setup, ("jax", "flax"), about=lambda: {
+      "CPU attention kernel": "on" if cpu_attention.available() else "off"})
