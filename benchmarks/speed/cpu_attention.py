@@ -10,13 +10,22 @@ step), and the two alternate round by round. The table gives milliseconds per la
 bandwidth over the bytes of the live slots (what the kernel reads; XLA reads every slot).
 
     python benchmarks/speed/cpu_attention.py [--rows 32] [--slots 176] [--live 64] [--layers 8]
+
+``--against SOURCE.cc`` also builds another version of the kernel's source (as ``rft-jax
+build-kernels`` builds it) and times it in the same rounds, printing how far its outputs are
+from the kernel's; e.g. against the last commit's kernel::
+
+    git show HEAD~1:rft_jax/models/cpu_attention.cc > /tmp/before.cc
+    python benchmarks/speed/cpu_attention.py --rows 8 --slots 1072 --live 560 --against /tmp/before.cc
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -35,6 +44,7 @@ def main() -> None:
   parser.add_argument("--live", type=int, default=64, help="generated tokens so far")
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=20)
+  parser.add_argument("--against", help="another version of rft_jax/models/cpu_attention.cc")
   args = parser.parse_args()
   if not cpu_attention.available():
     raise SystemExit("the kernel is not built here (the log above says why)")
@@ -63,8 +73,14 @@ def main() -> None:
 
   runs = {"XLA (feature_major.attend)": per_layer(feature_major.attend),
           "kernel (cpu_attention.attend)": per_layer(cpu_attention.attend)}
+  if args.against:
+    runs[f"kernel from {args.against}"] = per_layer(other_kernel(args.against))
   outs = {name: jax.block_until_ready(run(q, keys, values, mask)) for name, run in runs.items()}
-  np.testing.assert_allclose(*outs.values(), rtol=2e-5, atol=2e-6)
+  xla, kernel, *other = outs.values()
+  np.testing.assert_allclose(kernel, xla, rtol=2e-5, atol=2e-6)
+  for out in other:
+    print(f"--against's outputs differ from the kernel's by at most "
+          f"{max(float(np.max(np.abs(a - b))) for a, b in zip(out, kernel)):.2e}")
   times = {name: [] for name in runs}
   for _ in range(args.rounds):
     for name, run in runs.items():
@@ -77,6 +93,18 @@ def main() -> None:
   for name, ts in times.items():
     median = statistics.median(ts)
     print(f"| {name} | {median:.3f} | {min(ts):.3f} | {live_bytes / median / 1e6:.1f} |")
+
+
+def other_kernel(source: str):
+  """``cpu_attention.attend`` by the kernel built from ``source`` (registered under its own name)."""
+  library = os.path.join(tempfile.mkdtemp(), "against.so")
+  cpu_attention.compile_library(source, library)
+  handler = ctypes.cdll.LoadLibrary(library).RftDecodeAttention
+  jax.ffi.register_ffi_target("rft_jax_decode_attention_against", jax.ffi.pycapsule(handler),
+                              platform="cpu")
+  return lambda q, k, v, mask: jax.ffi.ffi_call(
+      "rft_jax_decode_attention_against", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      vmap_method="sequential")(q, k, v, mask)
 
 
 if __name__ == "__main__":
