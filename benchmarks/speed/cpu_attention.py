@@ -16,7 +16,8 @@ build-kernels`` builds it) and times it in the same rounds, printing how far its
 from the kernel's; e.g. against the last commit's kernel::
 
     git show HEAD~1:rft_jax/models/cpu_attention.cc > /tmp/before.cc
-    python benchmarks/speed/cpu_attention.py --rows 8 --slots 1072 --live 560 --against /tmp/before.cc
+    python benchmarks/speed/cpu_attention.py --rows 8 --slots 1072 --live 560 \
+        --against /tmp/before.cc
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def main() -> None:
 
 
 def other_kernel(source: str):
-  """``cpu_attention.attend`` by the kernel built from ``source`` (registered under its own name)."""
+  """``cpu_attention.attend`` by the kernel built from ``source``, registered under its own
+  name."""
   library = os.path.join(tempfile.mkdtemp(), "against.so")
   cpu_attention.compile_library(source, library)
   handler = ctypes.cdll.LoadLibrary(library).RftDecodeAttention
