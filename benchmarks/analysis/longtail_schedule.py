@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from speed.cpu_decode_step import attention_fn, build, loop, prefilled, timed  # noqa: E402
+from rft_jax.models import cpu_attention  # noqa: E402
 from rft_jax.sampling.continuous import pool_sizes  # noqa: E402
 
 
@@ -95,7 +96,6 @@ def main() -> None:
   args = parser.parse_args()
 
   step = step_seconds(args.model, args.sizes, args.prompt, args.max_new, args.steps, args.rounds)
-  from rft_jax.models import cpu_attention
   print(f"{args.model} (attention: {'the kernel' if cpu_attention.available() else 'XLA'}): "
         "ms per decode step by batch: "
         + ", ".join(f"{b}: {s * 1e3:.1f}" for b, s in step.items()))

@@ -23,7 +23,7 @@ from the kernel's; e.g. against the last commit's kernel::
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import os
 import statistics
 import tempfile
@@ -101,12 +101,8 @@ def other_kernel(source: str):
   name."""
   library = os.path.join(tempfile.mkdtemp(), "against.so")
   cpu_attention.compile_library(source, library)
-  handler = ctypes.cdll.LoadLibrary(library).RftDecodeAttention
-  jax.ffi.register_ffi_target("rft_jax_decode_attention_against", jax.ffi.pycapsule(handler),
-                              platform="cpu")
-  return lambda q, k, v, mask: jax.ffi.ffi_call(
-      "rft_jax_decode_attention_against", jax.ShapeDtypeStruct(q.shape, jnp.float32),
-      vmap_method="sequential")(q, k, v, mask)
+  cpu_attention.register(library, "rft_jax_decode_attention_against")
+  return functools.partial(cpu_attention.attend_by, "rft_jax_decode_attention_against")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ STRATEGY = Strategy()  # temperature > 0, no truncation
 
 def attention_fn(name: str):
   """The decode step's attention: ``kernel`` (built here where it is not, as ``rft-jax
-  build-kernels`` does; XLA's where it cannot be), ``xla`` or ``none`` (the queries)."""
+  build-kernels`` does, an error without a C++ compiler; XLA's where it does not load), ``xla``
+  or ``none`` (the queries)."""
   if name == "none":
     return lambda q, k, v, mask: q
   if name == "kernel":

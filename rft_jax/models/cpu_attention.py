@@ -146,8 +146,9 @@ def compile_library(source: str, out: str, build_target: str | None = None) -> N
   compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (c++, g++ or $CXX) found to build the CPU attention kernel")
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(os.path.abspath(out)))
+  folder = os.path.dirname(os.path.abspath(out))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
   os.close(fd)
   march = [f"-march={build_target}"] if build_target.startswith("x86-64") else []
   cmd = [compiler, *_FLAGS, *march, f"-I{jax.ffi.include_dir()}", source, "-o", tmp]
@@ -176,8 +177,7 @@ def available() -> bool:
                  "attention. Build it with `rft-jax build-kernels`", target(), library)
     return False
   try:
-    handler = ctypes.cdll.LoadLibrary(library).RftDecodeAttention
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    register(library)
   except (OSError, AttributeError) as e:
     _log.warning("CPU decode attention kernel off: %s; decoding uses XLA's attention. Rebuild it "
                  "with `rft-jax build-kernels`", e)
@@ -193,7 +193,23 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
   if not available():
     raise RuntimeError("the CPU decode attention kernel is off (RFT_JAX_CPU_ATTENTION=0) or not "
                        "built (`rft-jax build-kernels`): use feature_major.attend")
-  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+  return attend_by(_TARGET, q, k_cache, v_cache, mask)
+
+
+def register(library: str, name: str = _TARGET) -> None:
+  """Loads the kernel's shared ``library`` and registers its handler with XLA's CPU backend as
+  ``name`` (:func:`available` does so once; ``benchmarks/speed/cpu_attention.py --against``
+  registers another build under another name). Raises OSError or AttributeError where the
+  library does not load or lacks the handler."""
+  handler = ctypes.cdll.LoadLibrary(library).RftDecodeAttention
+  jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def attend_by(name: str, q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
+              v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]
+              ) -> Float[Array, "B K G H"]:
+  """:func:`attend` by the handler registered as ``name`` (:func:`register`), unchecked."""
+  call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                           vmap_method="sequential")
   out = call(q.astype(jnp.float32), k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), mask)
   return out.astype(q.dtype)
