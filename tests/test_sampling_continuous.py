@@ -15,7 +15,8 @@ from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
 from rft_jax.sampling import SamplingParams, generate
-from rft_jax.sampling.continuous import PoolSpec, pool_sizes, sample_pool_cpu
+from rft_jax.sampling.continuous import (PoolSpec, min_pool_slots, pool_sizes,
+                                         sample_pool_cpu)
 from rft_jax.sampling.loop import layer_indices
 
 RNG = np.random.default_rng(7)
@@ -41,8 +42,9 @@ def _assert_same_samples(a, b, atol=1e-5):
 
 @pytest.mark.parametrize("temperature,pools", [
     (0.0, ((8, 3),)),
-    # None: one slot per row (shrinking only); 8: refills, then 8 -> 4 (at least 8 slots: no
-    # shrink below); 5: an odd pool (one stage); pool_stages=1: refills without shrinking.
+    # None: one slot per row (shrinking only); 8: refills, then 8 -> 4 -> 2 (on CPU the pool
+    # shrinks below 8 slots); 5: an odd pool (one stage); pool_stages=1: refills without
+    # shrinking.
     (1.0, ((None, 3), (8, 3), (5, 3), (12, 1)))])
 def test_continuous_equals_static_whatever_the_pool(model, temperature, pools):
   static = dataclasses.replace(STATIC, temperature=temperature)
@@ -97,6 +99,8 @@ def test_short_calls_do_not_shrink():
   assert spec().slots == (128, 64, 32, 16, 8)
   assert spec(min_segment_tokens=64).slots == (128,)  # 40 < 2 x 64: one compiled decode body
   assert spec(min_segment_tokens=64, max_new_tokens=128).slots == (128, 64, 32, 16, 8)
+  cpu = PoolSpec.of(dataclasses.replace(STATIC, decode_slots=64), 128, platform="cpu")
+  assert cpu.slots == (64, 32, 16, 8, 4, 2, 1)  # on CPU down to one slot
 
 
 def test_pool_sizes():
@@ -107,6 +111,9 @@ def test_pool_sizes():
   assert pool_sizes(24, 5, 3, data=4) == (8,)  # a multiple of the data axis, never below 8
   assert pool_sizes(64, 48, 4, data=8) == (48, 24)  # 12 is not a multiple of 8
   assert pool_sizes(10, 100, 3) == (10,)  # never more slots than rows
+  assert pool_sizes(64, None, 8, min_slots=1) == (64, 32, 16, 8, 4, 2, 1)
+  assert pool_sizes(64, None, 8, data=4, min_slots=1) == (64, 32, 16, 8, 4)  # shards keep one
+  assert min_pool_slots("cpu") == 1 and min_pool_slots("gpu") == min_pool_slots(None) == 8
 
 
 def test_the_cache_follows_the_pool_not_the_rows(model):

@@ -30,7 +30,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from speed.cpu_decode_step import attention_fn, build, loop, prefilled, timed  # noqa: E402
+from speed.cpu_decode_step import (attention_fn, build, loop, prefilled,  # noqa: E402
+                                   products_packed, timed)
 from rft_jax.models import cpu_attention  # noqa: E402
 from rft_jax.sampling.continuous import pool_sizes  # noqa: E402
 
@@ -42,9 +43,10 @@ def step_seconds(model_name: str, sizes: list[int], prompt: int, max_new: int, s
   from flax import nnx
   model = build(model_name)
   graphdef, state = nnx.split(model)
-  run = loop("step", steps, attention_fn("kernel"))
+  attention = attention_fn("kernel")
   out = {}
-  for size in sizes:
+  for size in sizes:  # the products as the sampler runs them at this batch
+    run = loop("step", steps, attention, products_packed("auto", size))
     tokens, cache = prefilled(model, size, prompt, max_new)
     uniforms = jnp.asarray(np.random.default_rng(1).random((size, steps)), jnp.float32)
     logits0 = jnp.zeros((model.config.vocab_size, size), jnp.float32)

@@ -11,10 +11,13 @@ samples each (``R = B * n`` samples, sample ``b * n + j`` is sample ``j`` of pro
    index) takes them: every step, each free slot takes the next waiting sample (its prompt's
    cache row copied in, the admitted rows only), then all slots decode one token;
    a slot is freed when its sample emits a stop token or reaches ``M`` tokens;
-3. once nothing waits, the pool shrinks by halves (``spec.slots``: ``S, S/2, ...``): when the
-   running samples fit the next size, they are gathered into a pool of that size and decoding
-   goes on there, so the last long completions run in a small batch instead of keeping every
-   slot of the call busy; the call ends when nothing waits or runs.
+3. once nothing waits, the pool shrinks by halves (``spec.slots``: ``S, S/2, ...``, down to one
+   slot on CPU and eight elsewhere: :func:`min_pool_slots`): when the running samples fit the
+   next size, they are gathered into a pool of that size and decoding goes on there, so the
+   last long completions run in a small batch instead of keeping every slot of the call busy;
+   the call ends when nothing waits or runs. On one CPU device the stages of at most
+   ``cpu_matmul.MAX_COLUMNS`` slots multiply by the panel kernel
+   (:mod:`rft_jax.models.cpu_matmul`), which streams each weight once.
 
 Each sample's tokens and log-probabilities depend only on its prompt, its sample index and the
 seed: its uniform numbers are those of :mod:`rft_jax.sampling.keys` (by sample and step, not by
@@ -49,7 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import feature_major
+from rft_jax.models import cpu_attention, cpu_matmul, feature_major
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import resolve_kind
 from rft_jax.parallel import Rules
@@ -67,7 +70,9 @@ def pool_sizes(rows: int, decode_slots: int | None, stages: int, data: int = 1,
   """The pool's sizes, largest first: ``S = min(rows, decode_slots)`` rounded up to a multiple
   of ``data`` (each data shard decodes as many slots), then halved while a half is a multiple of
   ``data`` and at least ``min_slots`` (at most ``stages`` sizes); e.g. ``(64, 32, 16)`` for 128
-  rows, 64 slots and 3 stages, ``(32,)`` for 32 rows and 1 stage."""
+  rows, 64 slots and 3 stages, ``(32,)`` for 32 rows and 1 stage.
+
+  ``min_slots`` (:func:`min_pool_slots`): 1 on CPU, 8 elsewhere."""
   size = rows if decode_slots is None else min(rows, decode_slots)
   sizes = [-(-size // data) * data]
   while (len(sizes) < stages and sizes[-1] % 2 == 0 and (sizes[-1] // 2) % data == 0
@@ -95,11 +100,35 @@ class PoolSpec(DecodeSpec):
   paged_attention: str = "auto"
 
   @classmethod
-  def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None) -> PoolSpec:
-    return cls(slots=pool_sizes(rows, params.decode_slots, pool_stages(params), data),
+  def of(cls, params: SamplingParams, rows: int, data: int = 1, cache_dtype=None,
+         platform: str | None = None) -> PoolSpec:
+    """The spec of a call of ``rows`` samples over ``data`` shards on ``platform`` (``cpu``,
+    ``gpu`` or ``tpu``; None: an accelerator's, as ``rft-jax plan`` sizes it)."""
+    return cls(slots=pool_sizes(rows, params.decode_slots, pool_stages(params), data,
+                                min_pool_slots(platform)),
                kv_pages=params.kv_pages, page_size=params.page_size,
                paged_attention=params.paged_attention,
                **DecodeSpec.fields_of(params, cache_dtype))
+
+
+def min_pool_slots(platform: str | None) -> int:
+  """The smallest pool a call shrinks to on ``platform``: 1 on CPU, where a decode step's cost
+  follows its rows down to one (it streams the weights once and multiplies them by every row),
+  8 elsewhere, where a step of 1 to 64 rows costs about the same and a smaller stage would only
+  add a compiled body. On the peers' models (2 cores, AVX-512 EPYC; ``python
+  benchmarks/analysis/longtail_schedule.py --model small|large --sizes 1 2 4 8 16 32 64``,
+  2026-11-27) a step of 1 row cost 1.3 / 10.5 ms against 3.0 / 14.8 at 8 rows, and replaying 20
+  draws of the 128-row long-tailed work (at most 1,024 new tokens) through the pool of 64 slots
+  gave 5.41 / 30.24 s halving down to 1 slot against 5.91 / 31.57 s stopping at 8."""
+  return 1 if platform == "cpu" else 8
+
+
+def panel_products_for(attention, dtype) -> bool:
+  """Whether a CPU pool's small stages multiply by :mod:`rft_jax.models.cpu_matmul`'s kernel:
+  where the step's attention is the CPU kernel (one CPU device, a float32 cache), the compute
+  ``dtype`` is float32 and the library holds the panel product (built for ``x86-64-v3``)."""
+  return (attention is cpu_attention.attend and jnp.dtype(dtype) == jnp.float32
+          and cpu_matmul.available())
 
 
 def pool_stages(params: SamplingParams) -> int:
@@ -187,6 +216,11 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
   attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
+  # The stages of at most cpu_matmul.MAX_COLUMNS slots multiply by the CPU panel kernel, on
+  # weights packed for it (a second copy, made once; where no stage is that small, never).
+  packed = None
+  if on_cpu and spec.kv_pages is None and panel_products_for(attention, model.config.dtype):
+    packed = feature_major.decode_weights(model, layers, packed=True)
   prompt_lengths = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
 
   uniforms = constrain(step_uniforms(completion_keys(seed, fingerprints, n), m), rows, mesh, rules)
@@ -235,13 +269,17 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
 
   def decode(s: PoolState, sample_uniforms: Float[Array, "R M"] = uniforms) -> PoolState:
     u = s.slot_uniforms(sample_uniforms)
+    step_weights = weights
+    if packed is not None and s.running.shape[0] <= cpu_matmul.MAX_COLUMNS:
+      step_weights = packed
     if spec.kv_pages is not None:
       logits, cache = model.paged_decode_step(s.last_tokens, s.cache, s.running,
                                               layers=layers if on_cpu else step_layers,
                                               kind=paged_kind, mesh=mesh)
       vocab_axis = 1
     elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
+      logits, cache = feature_major.decode_step(model, step_weights, s.last_tokens, s.cache,
+                                                attention)
       vocab_axis = 0
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
@@ -262,7 +300,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
 
     def busy(s: PoolState, smaller=smaller):  # samples wait, or more run than the next pool holds
       return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
-    pool = jax.lax.while_loop(busy, lambda s: decode(admit(s)), pool)
+    step = (lambda s: decode(admit(s))) if stage == 0 else decode  # later, nothing waits
+    pool = jax.lax.while_loop(busy, step, pool)
   return pool.replace(cache=None)
 
 

@@ -65,8 +65,9 @@ class SamplingParams:
     decode_slots: continuous batching's pool size, the most samples that decode at once (its
       KV cache holds this many rows of ``prompt + max_new_tokens`` slots); None: one slot per
       row of the call.
-    pool_stages: the pool halves at most ``pool_stages - 1`` times as the queue drains (never
-      below 8 slots): each stage is one more compiled decode body. On long-tailed lengths most
+    pool_stages: the pool halves at most ``pool_stages - 1`` times as the queue drains (down
+      to 1 slot on CPU, 8 elsewhere: ``rft_jax.sampling.continuous.min_pool_slots``): each
+      stage is one more compiled decode body. On long-tailed lengths most
       of a call's steps run the last few completions: 128 rows of mean length ~200 and at most
       1,024 compute 53k row-steps for 28k tokens with 3 stages (128, 64, 32), 41k with 5
       (down to 8), 34k with a pool of 64 and 4 stages (a simulation of the schedule). Calls of
@@ -101,7 +102,7 @@ class SamplingParams:
   max_rollouts_per_call: int | None = None
   scheduler: str = "continuous"
   decode_slots: int | None = None
-  pool_stages: int = 5
+  pool_stages: int = 8
   kv_pages: int | None = None
   page_size: int = 16
   paged_attention: str = "auto"
