@@ -306,8 +306,7 @@ def _build_kernels(args: argparse.Namespace) -> int:
 
   from rft_jax.models import cpu_attention
 
-  name = (f"the CPU decode kernels ({cpu_attention.target()}: attention"
-          f"{', panel products' if cpu_attention.target() == 'x86-64-v3' else ''})")
+  name = f"the CPU decode attention kernel ({cpu_attention.target()})"
   if os.path.exists(cpu_attention.library_path()) and not args.force:
     print(f"rft-jax build-kernels: {name} is built: {cpu_attention.library_path()}")
     return 0
@@ -484,10 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument("--out", help="PNG to write (default: plots.png in the first run directory)")
   plot.set_defaults(func=_plot)
 
-  kernels = sub.add_parser("build-kernels", help="compile the CPU decode kernels (attention; the "
-                                                 "weight products at a few rows on x86-64-v3) for "
-                                                 "this machine (without them, CPU decoding uses "
-                                                 "XLA's)")
+  kernels = sub.add_parser("build-kernels", help="compile the CPU decode attention kernel for this "
+                                                 "machine (without it, CPU decoding uses XLA's attention)")
   kernels.add_argument("--force", action="store_true", help="rebuild it where it is built")
   kernels.set_defaults(func=_build_kernels)
   for command in (train, demo, figures):

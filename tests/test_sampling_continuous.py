@@ -42,10 +42,10 @@ def _assert_same_samples(a, b, atol=1e-5):
 
 @pytest.mark.parametrize("temperature,pools", [
     (0.0, ((8, 3),)),
-    # None: one slot per row (shrinking only); 8: refills, then 8 -> 4 -> 2 (on CPU the pool
-    # shrinks below 8 slots); 5: an odd pool (one stage); pool_stages=1: refills without
-    # shrinking.
-    (1.0, ((None, 3), (8, 3), (5, 3), (12, 1)))])
+    # None: one slot per row (shrinking only); 8: refills, then 8 -> 4 -> 2 -> 1 (on CPU the
+    # pool shrinks below 8 slots, down to one); 5: an odd pool (one stage); pool_stages=1:
+    # refills without shrinking.
+    (1.0, ((None, 3), (8, 4), (5, 3), (12, 1)))])
 def test_continuous_equals_static_whatever_the_pool(model, temperature, pools):
   static = dataclasses.replace(STATIC, temperature=temperature)
   reference = generate(model, PROMPTS, static, seed=3)

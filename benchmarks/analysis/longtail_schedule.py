@@ -6,7 +6,7 @@ compiled loop) of the peers' ``--model`` at each pool size in ``--sizes``, then 
 ``--trials`` draws of a long-tailed work (``--rows`` samples, lengths geometric with stop
 probability ``--stop-p`` per token, truncated at ``--max-new``) through:
 
-* ``pool``: the sampler's schedule, ``rft_jax.sampling.continuous.pool_sizes`` slots (a waiting
+* ``pool``: the sampler's CPU schedule, ``rft_jax.sampling.continuous.pool_sizes`` slots (a waiting
   sample takes each free slot; once nothing waits, the pool halves whenever its running samples
   fit the next size), every step priced at its pool size;
 * ``ideal``: every step priced at its number of running samples, as if a batch could shrink by
@@ -30,10 +30,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from speed.cpu_decode_step import (attention_fn, build, loop, prefilled,  # noqa: E402
-                                   products_packed, timed)
+from speed.cpu_decode_step import attention_fn, build, loop, prefilled, timed  # noqa: E402
 from rft_jax.models import cpu_attention  # noqa: E402
-from rft_jax.sampling.continuous import pool_sizes  # noqa: E402
+from rft_jax.sampling.continuous import min_pool_slots, pool_sizes  # noqa: E402
+from rft_jax.sampling.params import SamplingParams  # noqa: E402
 
 
 def step_seconds(model_name: str, sizes: list[int], prompt: int, max_new: int, steps: int,
@@ -43,10 +43,9 @@ def step_seconds(model_name: str, sizes: list[int], prompt: int, max_new: int, s
   from flax import nnx
   model = build(model_name)
   graphdef, state = nnx.split(model)
-  attention = attention_fn("kernel")
+  run = loop("step", steps, attention_fn("kernel"))
   out = {}
-  for size in sizes:  # the products as the sampler runs them at this batch
-    run = loop("step", steps, attention, products_packed("auto", size))
+  for size in sizes:
     tokens, cache = prefilled(model, size, prompt, max_new)
     uniforms = jnp.asarray(np.random.default_rng(1).random((size, steps)), jnp.float32)
     logits0 = jnp.zeros((model.config.vocab_size, size), jnp.float32)
@@ -87,7 +86,7 @@ def main() -> None:
   parser.add_argument("--max-new", type=int, default=1024)
   parser.add_argument("--stop-p", type=float, default=1 / 200)
   parser.add_argument("--decode-slots", type=int, default=64)
-  parser.add_argument("--stages", type=int, default=5)
+  parser.add_argument("--stages", type=int, default=SamplingParams().pool_stages)
   parser.add_argument("--pool", type=int, nargs="*", default=[],
                       help="other pool sizes to replay, largest first (e.g. 64 48 32 24 16 12 8)")
   parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
@@ -102,7 +101,7 @@ def main() -> None:
         "ms per decode step by batch: "
         + ", ".join(f"{b}: {s * 1e3:.1f}" for b, s in step.items()))
   cost = price(step)
-  slots = pool_sizes(args.rows, args.decode_slots, args.stages)
+  slots = pool_sizes(args.rows, args.decode_slots, args.stages, min_slots=min_pool_slots("cpu"))
   rng = np.random.default_rng(0)
   other = tuple(args.pool)
   pool, custom, ideal, tokens = [], [], [], []

@@ -100,7 +100,7 @@ def other_kernel(source: str):
   """``cpu_attention.attend`` by the kernel built from ``source``, registered under its own
   name."""
   library = os.path.join(tempfile.mkdtemp(), "against.so")
-  cpu_attention.compile_library((source, cpu_attention.MATMUL_SOURCE), library)
+  cpu_attention.compile_library(source, library)
   cpu_attention.register(library, "rft_jax_decode_attention_against")
   return functools.partial(cpu_attention.attend_by, "rft_jax_decode_attention_against")
 

@@ -51,7 +51,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from speed.learner_step import build  # noqa: E402
-from rft_jax.models import cpu_attention, cpu_matmul, feature_major  # noqa: E402
+from rft_jax.models import cpu_attention, feature_major  # noqa: E402
 from rft_jax.sampling.loop import CPU_COMPILER_OPTIONS, cache_slots  # noqa: E402
 from rft_jax.sampling.strategies import Strategy  # noqa: E402
 
@@ -71,12 +71,11 @@ def attention_fn(name: str):
   return cpu_attention.attend
 
 
-def loop(kind: str, steps: int, attention, packed: bool = False):
-  """A compiled ``fori_loop`` of ``steps`` steps of ``kind``; ``packed``: the products by the CPU
-  panel kernel (``rft_jax.models.cpu_matmul``), as the sampler's pool runs them at a few rows."""
+def loop(kind: str, steps: int, attention):
+  """A compiled ``fori_loop`` of ``steps`` steps of ``kind``."""
   def run(graphdef, state, tokens, cache, uniforms, logits0):
     model = nnx.merge(graphdef, state)
-    weights = feature_major.decode_weights(model, packed=packed)
+    weights = feature_major.decode_weights(model)
     temperature = jnp.float32(1.0)
 
     def body(i, carry):
@@ -98,19 +97,6 @@ def loop(kind: str, steps: int, attention, packed: bool = False):
     _, cache, acc = jax.lax.fori_loop(0, steps, body, (tokens, cache, acc))
     return acc, cache  # the cache returned: updated in the donated buffers, not copied
   return jax.jit(run, static_argnums=0, donate_argnums=3, compiler_options=CPU_COMPILER_OPTIONS)
-
-
-def products_packed(products: str, rows: int) -> bool:
-  """Whether the products run by the panel kernel: ``kernel``, or ``auto`` at a batch the
-  sampler runs it at (where it is built; an error for ``kernel`` where it is not)."""
-  if products == "xla":
-    return False
-  if not cpu_matmul.available():
-    if products == "kernel":
-      raise RuntimeError("the CPU panel product kernel is not built here (rft-jax build-kernels "
-                         "on an x86-64-v3 CPU)")
-    return False
-  return products == "kernel" or rows <= cpu_matmul.MAX_COLUMNS
 
 
 def decode_hidden(model, weights, tokens, cache, attention):
@@ -165,9 +151,6 @@ def main() -> None:
   parser.add_argument("--kinds", nargs="+",
                       default=["step", "decode", "no unembed", "strategy", "no attention"])
   parser.add_argument("--attention", default="kernel", choices=("kernel", "xla"))
-  parser.add_argument("--products", default="auto", choices=("auto", "kernel", "xla"),
-                      help="auto: the panel kernel at most cpu_matmul.MAX_COLUMNS rows, as the "
-                           "sampler runs them")
   args = parser.parse_args()
 
   model = build(args.model)
@@ -176,9 +159,8 @@ def main() -> None:
   rng = np.random.default_rng(1)
   uniforms = jnp.asarray(rng.random((args.rows, args.steps)), jnp.float32)
   logits0 = jnp.asarray(rng.normal(size=(model.config.vocab_size, args.rows)), jnp.float32)
-  packed = products_packed(args.products, args.rows)
   runs = {kind: loop(kind if kind != "no attention" else "step", args.steps,
-                     attention_fn("none" if kind == "no attention" else args.attention), packed)
+                     attention_fn("none" if kind == "no attention" else args.attention))
           for kind in args.kinds}
   call_args = (graphdef, state, tokens, cache, uniforms, logits0)
   for run in runs.values():
@@ -190,8 +172,7 @@ def main() -> None:
   kernel = args.attention == "kernel" and cpu_attention.available()
   print(f"{args.model}, {args.rows} rows, prompt {args.prompt}, {args.steps} steps, "
         f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
-        f"attention: {'the kernel' if kernel else 'XLA'}, products: "
-        f"{'the panel kernel' if packed else 'XLA'}")
+        f"attention: {'the kernel' if kernel else 'XLA'}")
   read = jax.eval_shape(lambda: feature_major.decode_weights(model))  # shapes, no copy
   weights = sum(x.size * x.dtype.itemsize  # all but the embedding table (a row a token)
                 for x in jax.tree.leaves((read.layers, read.norm, read.unembed)))

@@ -38,11 +38,9 @@ sums run in the same order at any width, and the softmax normaliser is summed by
 any width, so its results do not depend on the register width.
 
 The kernel is C++, built by an explicit step, never by a sampling call: ``rft-jax
-build-kernels`` (:func:`build`) compiles it, with the weight products at a few rows
-(``cpu_matmul.cc``, :mod:`rft_jax.models.cpu_matmul`) in the same library, with the machine's
-compiler (``$CXX``, else ``c++`` or ``g++``) into ``$XDG_CACHE_HOME/rft_jax``
-(``~/.cache/rft_jax``), keyed by its sources, jax's version and the build's target
-(:func:`target`). :func:`available` only loads that library and
+build-kernels`` (:func:`build`) compiles it with the machine's compiler (``$CXX``, else ``c++`` or
+``g++``) into ``$XDG_CACHE_HOME/rft_jax`` (``~/.cache/rft_jax``), keyed by its source, jax's
+version and the build's target (:func:`target`). :func:`available` only loads that library and
 registers it with XLA; where it is not built (or cannot be loaded) it logs one line saying so and
 how to build it, and the sampler uses ``attend``; so it does with ``RFT_JAX_CPU_ATTENTION=0``, on
 a mesh of several devices (XLA cannot split a custom call over one), and off CPU.
@@ -84,10 +82,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE = os.path.join(_HERE, "cpu_attention.cc")
-# Built into the same library: the weight products at a few rows (rft_jax.models.cpu_matmul).
-MATMUL_SOURCE = os.path.join(_HERE, "cpu_matmul.cc")
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
 _TARGET = "rft_jax_decode_attention"
 _FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
 # The x86-64 levels the kernel is built for, widest first, with the /proc/cpuinfo flags each needs.
@@ -119,14 +114,11 @@ def target() -> str:
 
 def library_path(build_target: str | None = None) -> str:
   """The shared library of the kernel for ``build_target`` (default :func:`target`): in
-  ``$XDG_CACHE_HOME/rft_jax``, named by a hash of the sources, jax's version, target and
-  flags."""
+  ``$XDG_CACHE_HOME/rft_jax``, named by a hash of the source, jax's version, target and flags."""
   build_target = build_target or target()
-  sources = []
-  for name in (_SOURCE, MATMUL_SOURCE):
-    with open(name, "rb") as f:
-      sources.append(f.read())
-  key = hashlib.sha256(b"\0".join([*sources, jax.__version__.encode(), build_target.encode(),
+  with open(_SOURCE, "rb") as f:
+    source = f.read()
+  key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), build_target.encode(),
                                    " ".join(_FLAGS).encode()])).hexdigest()[:16]
   cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
   return os.path.join(cache, "rft_jax", f"cpu_attention-{build_target}-{key}.so")
@@ -140,13 +132,13 @@ def build(build_target: str | None = None, *, force: bool = False) -> str:
   out = library_path(build_target)
   if os.path.exists(out) and not force:
     return out
-  compile_library((_SOURCE, MATMUL_SOURCE), out, build_target)
+  compile_library(_SOURCE, out, build_target)
   available.cache_clear()  # a process that builds it then uses it
   return out
 
 
-def compile_library(sources: tuple[str, ...], out: str, build_target: str | None = None) -> None:
-  """Compiles the kernels' C++ ``sources`` as :func:`build` does (its flags, for ``build_target``)
+def compile_library(source: str, out: str, build_target: str | None = None) -> None:
+  """Compiles the kernel's C++ ``source`` as :func:`build` does (its flags, for ``build_target``)
   into the shared library ``out``, atomically (a temporary, renamed). Raises RuntimeError naming
   the missing compiler or the failing command. (``benchmarks/speed/cpu_attention.py --against``
   builds another version of the source with it.)"""
@@ -159,7 +151,7 @@ def compile_library(sources: tuple[str, ...], out: str, build_target: str | None
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
   os.close(fd)
   march = [f"-march={build_target}"] if build_target.startswith("x86-64") else []
-  cmd = [compiler, *_FLAGS, *march, f"-I{jax.ffi.include_dir()}", *sources, "-o", tmp]
+  cmd = [compiler, *_FLAGS, *march, f"-I{jax.ffi.include_dir()}", source, "-o", tmp]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:

@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models import cpu_matmul
 from rft_jax.models.attention import MASKED_SCORE
 from rft_jax.models.kv_cache import KVCache, query_slots, visible_slots, write_slots
 from rft_jax.models.layers import rms_norm, rotate
@@ -42,8 +41,7 @@ from rft_jax.models.layers import rms_norm, rotate
 
 @flax.struct.dataclass
 class LayerWeights:
-  """One decoder layer's weights, transposed to ``[out, in]`` and cast to the compute dtype (or
-  packed for the CPU panel kernel, ``[out / 8, in, 8]``: :func:`decode_weights` with ``packed``).
+  """One decoder layer's weights, transposed to ``[out, in]`` and cast to the compute dtype.
 
   Attributes:
     input_norm, post_norm: ``[D]`` RMSNorm scales.
@@ -83,26 +81,20 @@ class DecodeWeights:
   unembed: Array
 
 
-def decode_weights(model, layers: Sequence | None = None, packed: bool = False) -> DecodeWeights:
+def decode_weights(model, layers: Sequence | None = None) -> DecodeWeights:
   """The :class:`DecodeWeights` of a :class:`~rft_jax.models.Qwen` (one copy of the layers:
   ``layers``, the model's :meth:`~rft_jax.models.Qwen.unstacked_layers`, transposed; sliced here
-  when None). ``packed``: every product's weight (and the unembedding) in the panels of
-  :func:`rft_jax.models.cpu_matmul.panels` instead, which :func:`decode_step` multiplies by the
-  CPU panel kernel (float32 only; a batch of at most ``cpu_matmul.MAX_COLUMNS`` rows is what
-  it is for). A model with LoRA adapters is refused: decode its
+  when None). A model with LoRA adapters is refused: decode its
   :func:`~rft_jax.models.lora_model.merged` model."""
   c = model.config
   if c.lora is not None:
     raise ValueError("decode_weights: the model has LoRA adapters, which this path does not read; "
                      "decode rft_jax.models.lora_model.merged(model)")
   dtype = c.dtype
-  if packed and dtype != jnp.float32:
-    raise ValueError(f"decode_weights: packed weights are float32 only, not {dtype}")
-  form = cpu_matmul.panels if packed else (lambda w: w)  # noqa: E731
 
   def stack_rows(names, module):  # [D, ...] projections -> [sum(out), D]
-    return form(jnp.concatenate([getattr(module, n)[...].reshape(c.hidden_size, -1)
-                                 for n in names], axis=1).T.astype(dtype))
+    return jnp.concatenate([getattr(module, n)[...].reshape(c.hidden_size, -1) for n in names],
+                           axis=1).T.astype(dtype)
 
   def transposed(layer) -> LayerWeights:  # one DecoderLayer
     attn, mlp = layer.attn, layer.mlp
@@ -116,18 +108,18 @@ def decode_weights(model, layers: Sequence | None = None, packed: bool = False) 
         qkv_bias=bias,
         q_norm=attn.q_norm.scale[...] if c.qk_norm else None,
         k_norm=attn.k_norm.scale[...] if c.qk_norm else None,
-        o=form(attn.o_proj[...].reshape(-1, c.hidden_size).T.astype(dtype)),
+        o=attn.o_proj[...].reshape(-1, c.hidden_size).T.astype(dtype),
         o_bias=attn.o_bias[...].astype(dtype) if c.attention_out_bias else None,
         post_norm=layer.post_attention_layernorm.scale[...],
         gate_up=stack_rows(("gate_proj", "up_proj"), mlp),
-        down=form(mlp.down_proj[...].T.astype(dtype)),
+        down=mlp.down_proj[...].T.astype(dtype),
     )
 
   embed = model.embed_tokens[...]
   unembed = embed if c.tie_word_embeddings else model.lm_head[...].T
   layers = model.unstacked_layers() if layers is None else layers
   return DecodeWeights(layers=tuple(map(transposed, layers)),
-                       norm=model.norm.scale[...], embed=embed, unembed=form(unembed.astype(dtype)))
+                       norm=model.norm.scale[...], embed=embed, unembed=unembed.astype(dtype))
 
 
 def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
@@ -173,7 +165,6 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
   c = model.config
   dtype, eps = c.dtype, c.rms_norm_eps
   n, k, h = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-  d, f = c.hidden_size, c.intermediate_size
   b = tokens.shape[0]
   slots = jnp.arange(cache.max_len)
   slot_mask = write_slots(cache.slot_mask, jnp.ones((b, 1), bool), cache.index, axis=1)
@@ -185,7 +176,7 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
   x = jnp.take(weights.embed, tokens, axis=0).astype(dtype).T  # [D, B]
   k_all, v_all = [], []
   for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v):
-    qkv = _product(layer.qkv, rms_norm(x, layer.input_norm, eps, axis=0), (n + 2 * k) * h)
+    qkv = layer.qkv @ rms_norm(x, layer.input_norm, eps, axis=0)  # [(N + 2K) H, B]
     if layer.qkv_bias is not None:
       qkv = qkv + layer.qkv_bias[:, None]
     qkv = qkv.reshape(n + 2 * k, h, -1)
@@ -196,24 +187,16 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     k_cache = write_slots(k_cache, key.transpose(2, 0, 1)[..., None], cache.index, axis=3)
     v_cache = write_slots(v_cache, value.transpose(2, 0, 1)[:, :, None], cache.index, axis=2)
     o = attention(q.reshape(k, n // k, h, -1).transpose(3, 0, 1, 2), k_cache, v_cache, mask)
-    x = x + _product(layer.o, o.reshape(o.shape[0], n * h).T, d)  # o: [B, K, G, H]
+    x = x + layer.o @ o.reshape(o.shape[0], n * h).T  # o: [B, K, G, H]
     if layer.o_bias is not None:
       x = x + layer.o_bias[:, None]
-    gate_up = _product(layer.gate_up, rms_norm(x, layer.post_norm, eps, axis=0), 2 * f)  # [2F, B]
+    gate_up = layer.gate_up @ rms_norm(x, layer.post_norm, eps, axis=0)  # [2F, B]
     gate, up = jnp.split(gate_up, 2)
-    x = x + _product(layer.down, jax.nn.silu(gate) * up, d)
+    x = x + layer.down @ (jax.nn.silu(gate) * up)
     k_all.append(k_cache)
     v_all.append(v_cache)
   hidden = rms_norm(x, weights.norm, eps, axis=0)
-  if weights.unembed.ndim == 3:  # packed
-    logits = cpu_matmul.matmul(weights.unembed, hidden, c.vocab_size)
-  else:
-    logits = jnp.matmul(weights.unembed, hidden, preferred_element_type=jnp.float32)
+  logits = jnp.matmul(weights.unembed, hidden, preferred_element_type=jnp.float32)
   cache = KVCache(k=tuple(k_all), v=tuple(v_all), slot_mask=slot_mask,
                   positions=cache.positions + 1, index=cache.index + 1)
   return logits, cache
-
-
-def _product(w: Array, x: Float[Array, "I B"], rows: int) -> Float[Array, "rows B"]:
-  """``w @ x`` for a weight ``[rows, I]``, or packed (``[P, I, 8]``) by the CPU panel kernel."""
-  return cpu_matmul.matmul(w, x, rows) if w.ndim == 3 else w @ x

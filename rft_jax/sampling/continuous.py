@@ -15,9 +15,7 @@ samples each (``R = B * n`` samples, sample ``b * n + j`` is sample ``j`` of pro
    slot on CPU and eight elsewhere: :func:`min_pool_slots`): when the running samples fit the
    next size, they are gathered into a pool of that size and decoding goes on there, so the
    last long completions run in a small batch instead of keeping every slot of the call busy;
-   the call ends when nothing waits or runs. On one CPU device the stages of at most
-   ``cpu_matmul.MAX_COLUMNS`` slots multiply by the panel kernel
-   (:mod:`rft_jax.models.cpu_matmul`), which streams each weight once.
+   the call ends when nothing waits or runs.
 
 Each sample's tokens and log-probabilities depend only on its prompt, its sample index and the
 seed: its uniform numbers are those of :mod:`rft_jax.sampling.keys` (by sample and step, not by
@@ -52,7 +50,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import cpu_attention, cpu_matmul, feature_major
+from rft_jax.models import feature_major
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import resolve_kind
 from rft_jax.parallel import Rules
@@ -121,14 +119,6 @@ def min_pool_slots(platform: str | None) -> int:
   draws of the 128-row long-tailed work (at most 1,024 new tokens) through the pool of 64 slots
   gave 5.41 / 30.24 s halving down to 1 slot against 5.91 / 31.57 s stopping at 8."""
   return 1 if platform == "cpu" else 8
-
-
-def panel_products_for(attention, dtype) -> bool:
-  """Whether a CPU pool's small stages multiply by :mod:`rft_jax.models.cpu_matmul`'s kernel:
-  where the step's attention is the CPU kernel (one CPU device, a float32 cache), the compute
-  ``dtype`` is float32 and the library holds the panel product (built for ``x86-64-v3``)."""
-  return (attention is cpu_attention.attend and jnp.dtype(dtype) == jnp.float32
-          and cpu_matmul.available())
 
 
 def pool_stages(params: SamplingParams) -> int:
@@ -216,11 +206,6 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
   attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
-  # The stages of at most cpu_matmul.MAX_COLUMNS slots multiply by the CPU panel kernel, on
-  # weights packed for it (a second copy, made once; where no stage is that small, never).
-  packed = None
-  if on_cpu and spec.kv_pages is None and panel_products_for(attention, model.config.dtype):
-    packed = feature_major.decode_weights(model, layers, packed=True)
   prompt_lengths = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
 
   uniforms = constrain(step_uniforms(completion_keys(seed, fingerprints, n), m), rows, mesh, rules)
@@ -269,17 +254,13 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
 
   def decode(s: PoolState, sample_uniforms: Float[Array, "R M"] = uniforms) -> PoolState:
     u = s.slot_uniforms(sample_uniforms)
-    step_weights = weights
-    if packed is not None and s.running.shape[0] <= cpu_matmul.MAX_COLUMNS:
-      step_weights = packed
     if spec.kv_pages is not None:
       logits, cache = model.paged_decode_step(s.last_tokens, s.cache, s.running,
                                               layers=layers if on_cpu else step_layers,
                                               kind=paged_kind, mesh=mesh)
       vocab_axis = 1
     elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, step_weights, s.last_tokens, s.cache,
-                                                attention)
+      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
       vocab_axis = 0
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
