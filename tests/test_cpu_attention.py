@@ -91,6 +91,38 @@ def test_nan_stays_nan(cpu_kernel):
   np.testing.assert_array_equal(np.isnan(feature_major.attend(q, keys, values, mask)).any(-1), want)
 
 
+@pytest.mark.parametrize("shape", [(3, 2, 2, 64, 128), (2, 1, 3, 80, 64), (2, 3, 7, 16, 192)],
+                         ids=lambda x: "x".join(map(str, x)))
+def test_tiled_keys_give_the_same_bits(shape, cpu_kernel):
+  """Keys tiled by ``tile_keys`` (``[B, K, S / 64, H, 64]``, what the CPU pool holds) give the
+  bits of ``[B, K, H, S]`` keys, every mask kind (the kernel reads the same slots in the same
+  order in both layouts), and ``untile_keys`` gives the keys back."""
+  q, keys, values, rng = _inputs(*shape)
+  tiled = cpu_attention.tile_keys(jnp.asarray(keys))
+  assert tiled.shape == (shape[0], shape[1], shape[-1] // 64, shape[3], 64)
+  np.testing.assert_array_equal(cpu_attention.untile_keys(tiled), keys)
+  kernel = jax.jit(cpu_attention.attend)
+  for name, mask in _masks(shape[0], shape[-1], rng).items():
+    want = np.asarray(kernel(q, keys, values, jnp.asarray(mask)))
+    got = np.asarray(kernel(q, tiled, values, jnp.asarray(mask)))
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32), err_msg=name)
+
+
+def test_write_tiled_keys_writes_what_write_slots_writes():
+  """One token's keys written into tiled keys, at a shared slot and at one slot per row, equal
+  the untiled write, tiled; a cache of a partial tile is refused in one line."""
+  from rft_jax.models.kv_cache import write_slots
+  rng = np.random.default_rng(3)
+  keys = jnp.asarray(rng.standard_normal((3, 2, 16, 128)), jnp.float32)
+  token = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+  for index in (jnp.int32(70), jnp.asarray([0, 63, 127], jnp.int32)):
+    want = cpu_attention.tile_keys(write_slots(keys, token[..., None], index, axis=3))
+    got = jax.jit(cpu_attention.write_tiled_keys)(cpu_attention.tile_keys(keys), token, index)
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="70 slots is not a multiple of the tile, 64"):
+    cpu_attention.tile_keys(keys[..., :70])
+
+
 def test_every_x86_64_build_gives_the_same_bits(cpu_kernel, monkeypatch, tmp_path):
   """The x86-64-v2 build (4 lanes, no AVX) and this machine's x86-64-v3 one (8 lanes) agree bit
   for bit on every shape and mask kind: each lane's sums run in the same order at any width and

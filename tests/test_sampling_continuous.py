@@ -135,3 +135,27 @@ def test_the_cache_follows_the_pool_not_the_rows(model):
   row = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (p + 512) * 4  # f32 K, V
   full, pooled = temp_bytes(None), temp_bytes(16)
   assert full - pooled >= 0.9 * (128 - 16) * row, (full, pooled, row)
+
+
+def test_the_cpu_pool_tiles_its_keys_for_the_kernel(model, cpu_kernel, monkeypatch):
+  """With the CPU attention kernel, the pool holds its keys tiled (``[S, K, W / 64, H, 64]``,
+  ``cpu_attention.tile_keys``) and the static program its ``[B, K, H, S]`` keys; the samples are
+  the same (the kernel reads both layouts to the same bits; log-probabilities to float32
+  rounding, as XLA's products may round a row differently at another batch size)."""
+  import jax
+  from rft_jax.models import cpu_attention
+  ranks = set()
+  attend = cpu_attention.attend
+
+  def recording(q, k_cache, v_cache, mask):
+    ranks.add(k_cache.ndim)
+    return attend(q, k_cache, v_cache, mask)
+  monkeypatch.setattr(cpu_attention, "attend", recording)
+  jax.clear_caches()  # traced afresh, through the recorder
+  reference = generate(model, PROMPTS, STATIC, seed=5)
+  assert ranks == {4}
+  ranks.clear()
+  pooled = generate(model, PROMPTS, dataclasses.replace(STATIC, scheduler="continuous",
+                                                        decode_slots=8), seed=5)
+  assert ranks == {5}
+  _assert_same_samples(pooled, reference)

@@ -1,5 +1,6 @@
 // One decode step's attention on CPU: one query per row against its cache, reading only the
-// slots between each row's first and last live slot, split over XLA's intra-op thread pool.
+// slots between each row's first and last live slot (widened to whole blocks), split over XLA's
+// intra-op thread pool. Keys [B, K, H, S] or tiled, [B, K, S / T, H, T].
 // Built and loaded by rft_jax/models/cpu_attention.py, which documents what it computes
 // and why; the arithmetic is that of rft_jax.models.feature_major.attend in float32.
 
@@ -66,9 +67,23 @@ inline fvec exp_nonpositive(fvec x) {
   return p * scale;
 }
 
+// The key layouts: [B, K, H, S] (tile 0: a key row of S slots per feature) or tiled,
+// [B, K, S / T, H, T] (tile T: T slots of every feature contiguous, one tile after another).
 struct Shapes {
-  int64_t b, k, g, h, s;
+  int64_t b, k, g, h, s, tile;
+
+  // Keys of slot `slot` (the first of a run not crossing a tile) and the stride between features.
+  const float* key_block(const float* keys, int64_t slot) const {
+    if (tile == 0) return keys + slot;
+    return keys + (slot / tile) * h * tile + slot % tile;
+  }
+  int64_t key_stride() const { return tile == 0 ? s : tile; }
 };
+
+// A live span starts at a multiple of kSpanAlign slots and covers a multiple of 16, in both
+// layouts, so that a run of kBlock slots never crosses a tile (tiles are multiples of
+// kSpanAlign) and the softmax normaliser adds the same slots in the same lanes in both.
+constexpr int64_t kSpanAlign = 64;
 
 // out0[0:kBlock] = sum_m w0[m] rows[m * stride : m * stride + kBlock] for m < count, and out1
 // with w1: four registers of sums per output (eight independent chains of products), each row's
@@ -120,27 +135,23 @@ void two_weighted_sums_1(const float* rows, int64_t stride, int64_t count, const
   store(out1, b);
 }
 
-// scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n:
-// kBlock slots at a time over all H rows of keys, then one
-// register's worth; the last partial register is recomputed over the last kLanes slots (the same
-// sums, so the same values), so only rows of fewer than kLanes live slots go slot by slot.
+// scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n
+// (lo a multiple of kSpanAlign): kBlock slots at a time over all H features of keys, then one
+// register's worth, then (only where S is not a multiple of 16) one slot at a time.
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
                 int64_t lo, int64_t n, float* out0, float* out1) {
+  const int64_t stride = d.key_stride();
   int64_t t = 0;
   for (; t + kBlock <= n; t += kBlock)
-    two_weighted_sums(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
+    two_weighted_sums(d.key_block(keys, lo + t), stride, d.h, q0, q1, out0 + t, out1 + t);
   for (; t + kLanes <= n; t += kLanes)
-    two_weighted_sums_1(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
-  if (t < n && n >= kLanes) {
-    t = n - kLanes;
-    two_weighted_sums_1(keys + lo + t, d.s, d.h, q0, q1, out0 + t, out1 + t);
-    t = n;
-  }
+    two_weighted_sums_1(d.key_block(keys, lo + t), stride, d.h, q0, q1, out0 + t, out1 + t);
   for (; t < n; ++t) {
+    const float* k = d.key_block(keys, lo + t);
     float a = 0.0f, b = 0.0f;
     for (int64_t i = 0; i < d.h; ++i) {
-      a += q0[i] * keys[i * d.s + lo + t];
-      b += q1[i] * keys[i * d.s + lo + t];
+      a += q0[i] * k[i * stride];
+      b += q1[i] * k[i * stride];
     }
     out0[t] = a;
     out1[t] = b;
@@ -185,21 +196,27 @@ void softmax_live(float* p, const float* live, int64_t padded, float scale) {
   for (int64_t t = 0; t < padded; t += kLanes) store(p + t, load(p + t) * inv);
 }
 
-// A row's live slots: the span [lo, lo + n) from its first live slot to its last (n = 0: none),
-// and a flag per slot of the span (1 live, 0 not), padded with 0 to a multiple of 16.
+// A row's live slots: the span [lo, lo + n) from its first live slot rounded down to a multiple
+// of kSpanAlign to its last rounded up to a multiple of 16, or to S (n = 0: none), and a flag
+// per slot of the span (1 live, 0 not), padded with 0 to a multiple of 16.
 struct LiveSpan {
   int64_t lo = 0, n = 0, padded = 0;
   std::vector<float> flags;
 
   void scan(const bool* live, int64_t s) {
-    lo = 0;
-    while (lo < s && !live[lo]) ++lo;
+    int64_t first = 0;
+    while (first < s && !live[first]) ++first;
     int64_t hi = s - 1;
-    while (hi >= lo && !live[hi]) --hi;
-    n = hi - lo + 1;
+    while (hi >= first && !live[hi]) --hi;
+    if (hi < first) {
+      lo = n = padded = 0;
+      return;
+    }
+    lo = first / kSpanAlign * kSpanAlign;
+    n = std::min((hi + 16) / 16 * 16, s) - lo;
     padded = (n + 15) / 16 * 16;
     flags.assign(padded, 0.0f);
-    for (int64_t t = 0; t < n; ++t) flags[t] = live[lo + t] ? 1.0f : 0.0f;
+    for (int64_t t = first - lo; t <= hi - lo; ++t) flags[t] = live[lo + t] ? 1.0f : 0.0f;
   }
 };
 
@@ -277,13 +294,18 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   auto md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 2)
-    return ffi::Error::InvalidArgument("decode attention: ranks must be q 4, k 4, v 4, mask 2");
-  Shapes d{qd[0], qd[1], qd[2], qd[3], kd[3]};
-  if (kd[0] != d.b || kd[1] != d.k || kd[2] != d.h || vd[0] != d.b || vd[1] != d.k ||
-      vd[2] != d.s || vd[3] != d.h || md[0] != d.b || md[1] != d.s)
+  if (qd.size() != 4 || (kd.size() != 4 && kd.size() != 5) || vd.size() != 4 || md.size() != 2)
+    return ffi::Error::InvalidArgument("decode attention: ranks must be q 4, k 4 or 5, v 4, mask 2");
+  const bool tiled = kd.size() == 5;
+  Shapes d{qd[0], qd[1], qd[2], qd[3], vd[2], tiled ? kd[4] : 0};
+  const bool keys_fit = tiled ? (kd[3] == d.h && kd[2] * d.tile == d.s && d.tile > 0 &&
+                                 d.tile % kSpanAlign == 0)
+                              : (kd[2] == d.h && kd[3] == d.s);
+  if (kd[0] != d.b || kd[1] != d.k || !keys_fit || vd[0] != d.b || vd[1] != d.k ||
+      vd[3] != d.h || md[0] != d.b || md[1] != d.s)
     return ffi::Error::InvalidArgument(
-        "decode attention: want q [B,K,G,H], k [B,K,H,S], v [B,K,S,H], mask [B,S]");
+        "decode attention: want q [B,K,G,H], k [B,K,H,S] or [B,K,S/T,H,T] (T a multiple of 64), "
+        "v [B,K,S,H], mask [B,S]");
   auto work = std::make_shared<Work>();
   work->d = d;
   work->q = q.typed_data();

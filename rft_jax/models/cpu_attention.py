@@ -80,7 +80,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
 _TARGET = "rft_jax_decode_attention"
@@ -185,11 +185,51 @@ def available() -> bool:
   return True
 
 
-def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
+KEY_TILE = 64  # slots per key tile (a multiple of the kernel's span alignment, 64)
+
+
+def tile_keys(k_cache: Float[Array, "B K H S"]) -> Float[Array, "B K S/T H T"]:
+  """Keys ``[B, K, H, S]`` in the tiled layout the kernel also reads, ``[B, K, S / T, H, T]``
+  (``T`` = :data:`KEY_TILE`; ``S`` a multiple of it): the ``T`` slots of every feature
+  contiguous, one tile after another, so that a block of slots is one stretch of memory instead
+  of ``H`` rows a cache length apart."""
+  b, k, h, s = k_cache.shape
+  if s % KEY_TILE:
+    raise ValueError(f"tile_keys: {s} slots is not a multiple of the tile, {KEY_TILE}")
+  return k_cache.reshape(b, k, h, s // KEY_TILE, KEY_TILE).transpose(0, 1, 3, 2, 4)
+
+
+def untile_keys(k_cache: Float[Array, "B K S/T H T"]) -> Float[Array, "B K H S"]:
+  """The inverse of :func:`tile_keys`."""
+  b, k, tiles, h, t = k_cache.shape
+  return k_cache.transpose(0, 1, 3, 2, 4).reshape(b, k, h, tiles * t)
+
+
+def tiled_slots(slots: int) -> int:
+  """``slots`` rounded up to a whole number of key tiles."""
+  return -(-slots // KEY_TILE) * KEY_TILE
+
+
+def write_tiled_keys(k_cache: Float[Array, "B K S/T H T"], keys: Float[Array, "B K H"],
+                     index: Int[Array, ""] | Int[Array, "B"]) -> Float[Array, "B K S/T H T"]:
+  """:func:`~rft_jax.models.kv_cache.write_slots` of one token's ``keys`` per row into tiled
+  keys at slot ``index`` (shared, or one per row)."""
+  t = k_cache.shape[-1]
+  update = keys[:, :, None, :, None].astype(k_cache.dtype)  # [B, K, 1, H, 1]
+  if jnp.ndim(index) == 0:
+    return jax.lax.dynamic_update_slice(k_cache, update, (0, 0, index // t, 0, index % t))
+
+  def row(a, u, i):
+    return jax.lax.dynamic_update_slice(a, u, (0, i // t, 0, i % t))
+  return jax.vmap(row)(k_cache, update, index)
+
+
+def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"] | Float[Array, "B K S/T H T"],
            v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]) -> Float[Array, "B K G H"]:
   """:func:`~rft_jax.models.feature_major.attend` by the kernel, in float32, on one CPU device
   only (XLA cannot split a custom call over a mesh; no other platform has a handler for it); where
-  :func:`available` is False, an error."""
+  :func:`available` is False, an error. The keys may be tiled (:func:`tile_keys`): the same
+  results, bit for bit."""
   if not available():
     raise RuntimeError("the CPU decode attention kernel is off (RFT_JAX_CPU_ATTENTION=0) or not "
                        "built (`rft-jax build-kernels`): use feature_major.attend")

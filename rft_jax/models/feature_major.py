@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from rft_jax.models import cpu_attention
 from rft_jax.models.attention import MASKED_SCORE
 from rft_jax.models.kv_cache import KVCache, query_slots, visible_slots, write_slots
 from rft_jax.models.layers import rms_norm, rotate
@@ -155,7 +156,9 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     model: the :class:`~rft_jax.models.Qwen` (its config and RoPE tables).
     weights: :func:`decode_weights` of ``model``.
     tokens: ``[B]`` each row's latest token.
-    cache: the decode cache; slot ``cache.index`` (shared or per row) receives the tokens.
+    cache: the decode cache; slot ``cache.index`` (shared or per row) receives the tokens. Its
+      keys may be tiled (:func:`rft_jax.models.cpu_attention.tile_keys`) when ``attention`` is
+      the kernel, which reads both layouts.
     attention: :func:`attend`, or what computes the same
       (:func:`rft_jax.models.cpu_attention.attend`, a compiled kernel).
 
@@ -184,7 +187,10 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     if layer.q_norm is not None:
       q, key = rms_norm(q, layer.q_norm, eps, axis=1), rms_norm(key, layer.k_norm, eps, axis=1)
     q, key = rotate(q, cos, sin, axis=1), rotate(key, cos, sin, axis=1)
-    k_cache = write_slots(k_cache, key.transpose(2, 0, 1)[..., None], cache.index, axis=3)
+    if k_cache.ndim == 5:  # keys tiled for the CPU kernel (cpu_attention.tile_keys)
+      k_cache = cpu_attention.write_tiled_keys(k_cache, key.transpose(2, 0, 1), cache.index)
+    else:
+      k_cache = write_slots(k_cache, key.transpose(2, 0, 1)[..., None], cache.index, axis=3)
     v_cache = write_slots(v_cache, value.transpose(2, 0, 1)[:, :, None], cache.index, axis=2)
     o = attention(q.reshape(k, n // k, h, -1).transpose(3, 0, 1, 2), k_cache, v_cache, mask)
     x = x + layer.o @ o.reshape(o.shape[0], n * h).T  # o: [B, K, G, H]

@@ -27,6 +27,7 @@ from rft_jax.models.config import QwenConfig
 
 # Logical axis names of one layer's arrays and of the shared fields (rft_jax.parallel.sharding).
 KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
+TILED_KEY_AXES = ("batch", "kv_heads", "cache_seq", "head_dim", None)  # cpu_attention.tile_keys
 VALUE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
@@ -35,7 +36,8 @@ class KVCache:
   """Cached keys and values of every layer.
 
   Attributes:
-    k: per layer, ``[B, K, H, S]`` keys after RoPE (and q/k norm), slots last.
+    k: per layer, ``[B, K, H, S]`` keys after RoPE (and q/k norm), slots last (in the CPU
+      sampler's pool, tiled: ``[B, K, S / T, H, T]``, :func:`rft_jax.models.cpu_attention.tile_keys`).
     v: per layer, ``[B, K, S, H]`` values.
     slot_mask: ``[B, S]`` True where a slot holds a real token.
     positions: ``[B]`` int32 RoPE position of each row's next token (its real-token count).
@@ -50,7 +52,8 @@ class KVCache:
 
   def logical_axes(self) -> KVCache:
     """This cache's structure with logical axis names as leaves (``parallel.tree_shardings``)."""
-    return KVCache(k=(KEY_AXES,) * len(self.k), v=(VALUE_AXES,) * len(self.v),
+    key_axes = TILED_KEY_AXES if self.k[0].ndim == 5 else KEY_AXES
+    return KVCache(k=(key_axes,) * len(self.k), v=(VALUE_AXES,) * len(self.v),
                    slot_mask=("batch", "cache_seq"), positions=("batch",),
                    index=("batch",) if jnp.ndim(self.index) else ())
 

@@ -52,9 +52,22 @@ def split_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
           "sampler_logp": batch["sampler_logp"][:, start:], "advantages": batch["advantages"]}
 
 
+def decode_steps(generate, rows: int, steps: int) -> dict:
+  """One decode-step work (``peers.spec.DECODE``): ``generate(new)`` decodes ``new`` tokens on
+  every row (no stops); the seconds of ``steps`` more steps, ``generate(4 + steps)`` less
+  ``generate(4)``, so that prefill, dispatch and the first tokens cancel out."""
+  start = time.perf_counter()
+  generate(4)
+  short = time.perf_counter() - start
+  start = time.perf_counter()
+  generate(4 + steps)
+  return {"seconds": time.perf_counter() - start - short, "tokens": rows * steps}
+
+
 def serve(setup, packages: tuple[str, ...], about=None) -> None:
   """Runs a runner: ``setup(spec)`` returns ``{work: fn(seed) -> tokens or None}``; each command
-  is timed around ``fn`` (which must return only when its work is finished). The ready line
+  is timed around ``fn`` (which must return only when its work is finished), unless ``fn``
+  returns ``{"seconds": s, "tokens": n}`` (:func:`decode_steps`). The ready line
   carries the installed versions of ``packages`` and, after setup, ``about()``'s ``{name: text}``
   (what else decides the contender's speed)."""
   from importlib.metadata import version
@@ -79,8 +92,10 @@ def serve(setup, packages: tuple[str, ...], about=None) -> None:
       continue
     try:
       start = time.perf_counter()
-      tokens = fn(int(command["seed"]))
-      answers.write(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}) + "\n")
+      out = fn(int(command["seed"]))
+      if not isinstance(out, dict):  # a work that times itself returns {"seconds", "tokens"}
+        out = {"seconds": time.perf_counter() - start, "tokens": out}
+      answers.write(json.dumps(out) + "\n")
     except Exception as e:  # noqa: BLE001
       traceback.print_exc()
       answers.write(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}) + "\n")

@@ -23,15 +23,17 @@ class Contender:
 
 
 LONGTAIL_WORKS = ("longtail_128", "longtail_512")
+DECODE_WORKS = ("decode_1", "decode_8", "decode_32", "decode_64", "decode_128")  # peers.spec.DECODE
 CONTENDERS = {
-    "rft_jax": Contender("rft_runner.py", None, ("rollout", "learner", "e2e", *LONGTAIL_WORKS),
-                         "rft_jax"),
+    "rft_jax": Contender("rft_runner.py", None, ("rollout", "learner", "e2e", *LONGTAIL_WORKS,
+                                                 *DECODE_WORKS), "rft_jax"),
     # rft_jax's sampler as it was before continuous batching (benchmarks/peers/longtail.py's
     # "before")
     "rft_jax_static": Contender("rft_runner.py", None, ("rollout", *LONGTAIL_WORKS),
                                 "rft_jax static", (("RFT_JAX_BENCH_SCHEDULER", "static"),)),
     "transformers": Contender("hf_runner.py", "hf", ("rollout",), "transformers"),
-    "vllm": Contender("vllm_runner.py", "vllm", ("rollout", *LONGTAIL_WORKS), "vLLM-CPU"),
+    "vllm": Contender("vllm_runner.py", "vllm", ("rollout", *LONGTAIL_WORKS, *DECODE_WORKS),
+                      "vLLM-CPU"),
     "tunix": Contender("tunix_runner.py", "tunix", ("rollout", "learner", "e2e"), "google-tunix"),
     "trl": Contender("trl_runner.py", "trl", ("learner", "e2e"), "TRL"),
 }

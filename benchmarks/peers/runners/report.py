@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import statistics
 
-from peers.runners.contenders import CONTENDERS
+from peers.runners.contenders import CONTENDERS, DECODE_WORKS
 
-WORKS = ("rollout", "learner", "e2e", "longtail_128", "longtail_512")
-ROLLOUT_WORKS = ("rollout", "longtail_128", "longtail_512")
+WORKS = ("rollout", "learner", "e2e", "longtail_128", "longtail_512", *DECODE_WORKS)
+ROLLOUT_WORKS = ("rollout", "longtail_128", "longtail_512", *DECODE_WORKS)
 
 
 def per_token(runs: list, work: str) -> list[float]:

@@ -9,6 +9,8 @@ e2e: ``generate`` 8 prompts x 4 samples from the current parameters, rewards and
 longtail_128 / longtail_512: ``generate`` of the spec's long-tailed work (``peers.spec.LONGTAIL``:
   n = 8 samples a prompt, its stop tokens), with the spec's ``scheduler`` and ``decode_slots``
   (``RFT_JAX_BENCH_SCHEDULER`` in the environment overrides the scheduler).
+decode_1 ... decode_128: ``common.decode_steps`` of ``generate`` on the work's rows, no stop
+  tokens, every row in the pool at once (``decode_slots`` = the rows).
 
 On CPU the runner builds the decode attention kernel where it is not built (``rft-jax
 build-kernels``, as ``launch/local.sh`` does: a new machine has none, and without it the sampler
@@ -26,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import group_advantages, load_batch, reward, serve  # noqa: E402
+from common import decode_steps, group_advantages, load_batch, reward, serve  # noqa: E402
 from rft_jax.models import cpu_attention, load_hf  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner, LearnerBatch  # noqa: E402
@@ -79,8 +81,19 @@ def setup(spec: dict) -> dict:
       return int(out.completion_lengths.sum())
     return run
 
+  def decode(work: dict):
+    rows = len(work["prompts"])
+
+    def run(seed: int) -> dict:
+      def call(new: int):
+        params = SamplingParams(n=1, max_new_tokens=new, **(sampler | {"decode_slots": rows}))
+        generate(learner.model(state["train"]), work["prompts"], params, seed=seed)
+      return decode_steps(call, rows, work["steps"])
+    return run
+
   return {"rollout": rollout, "learner": learner_step, "e2e": e2e,
-          **{name: longtail(work) for name, work in spec["longtail"].items()}}
+          **{name: longtail(work) for name, work in spec["longtail"].items()},
+          **{name: decode(work) for name, work in spec.get("decode", {}).items()}}
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ LONGTAIL = {"longtail_128": (16, 8, 1024), "longtail_512": (64, 8, 512)}
 STOP_EVERY = 200  # a near-uniform random model emits one of vocab / 200 stop ids once in ~200 steps
 
 
+# Decode steps at fixed batch sizes (benchmarks/peers/decode_steps.py): work -> rows, each on its
+# own prompt of DECODE_PROMPT tokens, timed over DECODE_STEPS steps.
+DECODE = {"decode_1": 1, "decode_8": 8, "decode_32": 32, "decode_64": 64, "decode_128": 128}
+DECODE_PROMPT, DECODE_STEPS = 100, 128
+
+
 def stop_token_ids(vocab: int) -> list[int]:
   """The long-tailed works' stop tokens: ``vocab / STOP_EVERY`` ids from EOS on, so that a row of
   a random model (whose next-token distribution is nearly uniform) stops at each step with
@@ -66,9 +72,11 @@ def stop_token_ids(vocab: int) -> list[int]:
 
 
 def write_spec(model: str, root: str, threads: int, longtail: bool = False,
-               scheduler: str = "continuous", decode_slots: int | None = None) -> str:
+               scheduler: str = "continuous", decode_slots: int | None = None,
+               decode: bool = False) -> str:
   """Writes the checkpoint, batch and spec under ``root``; returns the spec's path.
-  ``longtail``: with the long-tailed works (:data:`LONGTAIL`); ``scheduler`` and
+  ``longtail``: with the long-tailed works (:data:`LONGTAIL`); ``decode``: with the decode-step
+  works (:data:`DECODE`); ``scheduler`` and
   ``decode_slots``: rft_jax's sampler settings (``SamplingParams``)."""
   os.makedirs(root, exist_ok=True)
   checkpoint = os.path.join(root, "checkpoint")
@@ -85,6 +93,9 @@ def write_spec(model: str, root: str, threads: int, longtail: bool = False,
           "new_tokens": NEW_TOKENS, "temperature": 1.0, "lr": 1e-5, "threads": threads,
           "longtail": {work: {"prompts": prompts(count, vocab, seed=2 + i), "n": n, "new_tokens": new}
                        for i, (work, (count, n, new)) in enumerate(LONGTAIL.items()) if longtail},
+          "decode": {work: {"prompts": prompts(rows, vocab, seed=20 + i, lo=DECODE_PROMPT,
+                                               hi=DECODE_PROMPT), "steps": DECODE_STEPS}
+                     for i, (work, rows) in enumerate(DECODE.items()) if decode},
           "stop_token_ids": stop_token_ids(vocab), "scheduler": scheduler,
           "decode_slots": decode_slots}
   path = os.path.join(root, "spec.json")
