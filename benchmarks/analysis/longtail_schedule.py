@@ -46,7 +46,7 @@ def step_seconds(model_name: str, sizes: list[int], prompt: int, max_new: int, s
   run = loop("step", steps, attention_fn("kernel"))
   out = {}
   for size in sizes:
-    tokens, cache = prefilled(model, size, prompt, max_new)
+    tokens, cache = prefilled(model, size, prompt, max_new, tiled=cpu_attention.available())
     uniforms = jnp.asarray(np.random.default_rng(1).random((size, steps)), jnp.float32)
     logits0 = jnp.zeros((model.config.vocab_size, size), jnp.float32)
     args = (graphdef, state, tokens, cache, uniforms, logits0)

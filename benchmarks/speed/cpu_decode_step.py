@@ -4,7 +4,8 @@ The continuous sampler's CPU decode step (``rft_jax/sampling/continuous.py``) is
 ``feature_major.decode_step`` (with the attention kernel where it builds) followed by the
 sampling strategy on the ``[V, B]`` logits. This script runs ``--steps`` of them in one compiled
 ``fori_loop`` over ``--rows`` rows whose caches hold a prompt of ``--prompt`` slots in a cache of
-``cache_slots(prompt, --max-new)`` slots with one write index per row (the pool's cache), on the
+``cache_slots(prompt, --max-new)`` slots with one write index per row (the pool's cache, its keys
+tiled as the pool holds them for the kernel), on the
 peers' ``--model`` (``benchmarks/speed/learner_step.py``), at temperature 1 (the long-tailed works'
 setting: no truncation). Each part is also timed alone, to split the step:
 
@@ -105,14 +106,19 @@ def decode_hidden(model, weights, tokens, cache, attention):
   return feature_major.decode_step(model, weights.replace(unembed=eye), tokens, cache, attention)
 
 
-def prefilled(model, rows: int, prompt: int, max_new: int, seed: int = 0):
-  """A pool-like cache: ``rows`` prompts of ``prompt`` tokens prefilled, one index per row."""
+def prefilled(model, rows: int, prompt: int, max_new: int, seed: int = 0, tiled: bool = False):
+  """A pool-like cache: ``rows`` prompts of ``prompt`` tokens prefilled, one index per row;
+  ``tiled``: its keys tiled, as the sampler's pool holds them for the attention kernel
+  (``rft_jax.models.cpu_attention.tile_keys``)."""
   rng = np.random.default_rng(seed)
   vocab = model.config.vocab_size
   ids = jnp.asarray(rng.integers(3, vocab, (rows, prompt)), jnp.int32)
-  cache = model.init_cache(rows, cache_slots(prompt, max_new))
+  width = cache_slots(prompt, max_new)
+  cache = model.init_cache(rows, cpu_attention.tiled_slots(width) if tiled else width)
   _, cache = nnx.jit(lambda m, i, c: m.prefill(i, jnp.ones_like(i), c))(model, ids, cache)
   cache = cache.replace(index=jnp.full((rows,), prompt, jnp.int32))
+  if tiled:
+    cache = cache.replace(k=tuple(map(cpu_attention.tile_keys, cache.k)))
   tokens = jnp.asarray(rng.integers(3, vocab, rows), jnp.int32)
   return tokens, cache
 
@@ -155,7 +161,9 @@ def main() -> None:
 
   model = build(args.model)
   graphdef, state = nnx.split(model)
-  tokens, cache = prefilled(model, args.rows, args.prompt, args.max_new)
+  attention_fn(args.attention)  # builds the kernel where it is not built
+  kernel = args.attention == "kernel" and cpu_attention.available()
+  tokens, cache = prefilled(model, args.rows, args.prompt, args.max_new, tiled=kernel)
   rng = np.random.default_rng(1)
   uniforms = jnp.asarray(rng.random((args.rows, args.steps)), jnp.float32)
   logits0 = jnp.asarray(rng.normal(size=(model.config.vocab_size, args.rows)), jnp.float32)
@@ -169,7 +177,6 @@ def main() -> None:
   for _ in range(args.rounds):
     for kind, run in runs.items():
       times[kind].append(timed(run, *call_args))
-  kernel = args.attention == "kernel" and cpu_attention.available()
   print(f"{args.model}, {args.rows} rows, prompt {args.prompt}, {args.steps} steps, "
         f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
         f"attention: {'the kernel' if kernel else 'XLA'}")
