@@ -37,7 +37,8 @@ program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. With
 ``SamplingParams.kv_pages`` the cache is paged instead (a block table per slot, so that memory
 follows the live tokens; :mod:`rft_jax.sampling.paged_pool`), one pool per data shard
 (:mod:`rft_jax.sampling.paged_shards`); on one CPU device the dense pool's attention kernel
-already reads only each row's live slots.
+already reads only each row's live slots, and the pool holds its keys tiled for it
+(:func:`rft_jax.models.cpu_attention.tile_keys`: a block of slots is one stretch of memory).
 """
 
 from __future__ import annotations

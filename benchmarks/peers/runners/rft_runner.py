@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from common import decode_steps, group_advantages, load_batch, reward, serve  # noqa: E402
 from rft_jax.models import cpu_attention, load_hf  # noqa: E402
