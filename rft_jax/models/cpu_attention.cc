@@ -80,10 +80,10 @@ struct Shapes {
   int64_t key_stride() const { return tile == 0 ? s : tile; }
 };
 
-// A live span starts at a multiple of kSpanAlign slots and covers a multiple of 16, in both
-// layouts, so that a run of kBlock slots never crosses a tile (tiles are multiples of
-// kSpanAlign) and the softmax normaliser adds the same slots in the same lanes in both.
-constexpr int64_t kSpanAlign = 64;
+// A live span starts and ends at a multiple of 16 slots, in both layouts (tiles are multiples
+// of 16), so that a register's slots never cross a tile and the softmax normaliser adds the same
+// slots in the same lanes in both.
+constexpr int64_t kSpanAlign = 16;
 
 // out0[0:kBlock] = sum_m w0[m] rows[m * stride : m * stride + kBlock] for m < count, and out1
 // with w1: four registers of sums per output (eight independent chains of products), each row's
@@ -137,16 +137,23 @@ void two_weighted_sums_1(const float* rows, int64_t stride, int64_t count, const
 }
 
 // scores[j, t] = sum_i q[j, i] keys[i, lo + t] for two queries j (into out0, out1), t < n
-// (lo a multiple of kSpanAlign): kBlock slots at a time over all H features of keys, then one
-// register's worth, then (only where S is not a multiple of 16) one slot at a time.
+// (lo a multiple of kSpanAlign): kBlock slots at a time over all H features of keys where they
+// lie in one tile, else one register's worth, then (only where S is not a multiple of 16) one
+// slot at a time. Each slot's sum runs over the features in order whichever pass takes it.
 void scores_two(const Shapes& d, const float* q0, const float* q1, const float* keys,
                 int64_t lo, int64_t n, float* out0, float* out1) {
   const int64_t stride = d.key_stride();
   int64_t t = 0;
-  for (; t + kBlock <= n; t += kBlock)
-    two_weighted_sums(d.key_block(keys, lo + t), stride, d.h, q0, q1, out0 + t, out1 + t);
-  for (; t + kLanes <= n; t += kLanes)
-    two_weighted_sums_1(d.key_block(keys, lo + t), stride, d.h, q0, q1, out0 + t, out1 + t);
+  while (t + kLanes <= n) {
+    const int64_t slot = lo + t;
+    if (t + kBlock <= n && (d.tile == 0 || slot % d.tile + kBlock <= d.tile)) {
+      two_weighted_sums(d.key_block(keys, slot), stride, d.h, q0, q1, out0 + t, out1 + t);
+      t += kBlock;
+    } else {
+      two_weighted_sums_1(d.key_block(keys, slot), stride, d.h, q0, q1, out0 + t, out1 + t);
+      t += kLanes;
+    }
+  }
   for (; t < n; ++t) {
     const float* k = d.key_block(keys, lo + t);
     float a = 0.0f, b = 0.0f;
@@ -198,8 +205,8 @@ void softmax_live(float* p, const float* live, int64_t padded, float scale) {
 }
 
 // A row's live slots: the span [lo, lo + n) from its first live slot rounded down to a multiple
-// of kSpanAlign to its last rounded up to a multiple of 16, or to S (n = 0: none), and a flag
-// per slot of the span (1 live, 0 not), padded with 0 to a multiple of 16.
+// of kSpanAlign to its last rounded up to one, or to S (n = 0: none), and a flag per slot of the
+// span (1 live, 0 not), padded with 0 to a multiple of 16.
 struct LiveSpan {
   int64_t lo = 0, n = 0, padded = 0;
   std::vector<float> flags;
@@ -214,7 +221,7 @@ struct LiveSpan {
       return;
     }
     lo = first / kSpanAlign * kSpanAlign;
-    n = std::min((hi + 16) / 16 * 16, s) - lo;
+    n = std::min((hi + kSpanAlign) / kSpanAlign * kSpanAlign, s) - lo;
     padded = (n + 15) / 16 * 16;
     flags.assign(padded, 0.0f);
     for (int64_t t = first - lo; t <= hi - lo; ++t) flags[t] = live[lo + t] ? 1.0f : 0.0f;
@@ -305,7 +312,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (kd[0] != d.b || kd[1] != d.k || !keys_fit || vd[0] != d.b || vd[1] != d.k ||
       vd[3] != d.h || md[0] != d.b || md[1] != d.s)
     return ffi::Error::InvalidArgument(
-        "decode attention: want q [B,K,G,H], k [B,K,H,S] or [B,K,S/T,H,T] (T a multiple of 64), "
+        "decode attention: want q [B,K,G,H], k [B,K,H,S] or [B,K,S/T,H,T] (T a multiple of 16), "
         "v [B,K,S,H], mask [B,S]");
   auto work = std::make_shared<Work>();
   work->d = d;
