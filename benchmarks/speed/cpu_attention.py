@@ -7,7 +7,9 @@ tokens after them; each contender attends one query per row over it, ``--layers`
 caches per call (so that, as in a decode step, they are not all in the CPU's caches; each
 layer's query takes the last one's output, so that XLA runs them one after another as in a
 step), and the two alternate round by round. The table gives milliseconds per layer (median, min) and the
-bandwidth over the bytes of the live slots (what the kernel reads; XLA reads every slot).
+bandwidth over the bytes of the live slots (what the kernel reads; XLA reads every slot). Where
+``--slots`` is a multiple of 64 the kernel is also timed on the same keys tiled, as the continuous
+pool holds them (``cpu_attention.tile_keys``).
 
     python benchmarks/speed/cpu_attention.py [--rows 32] [--slots 176] [--live 64] [--layers 8]
 
@@ -72,21 +74,25 @@ def main() -> None:
       return outs
     return jax.jit(layers)
 
-  runs = {"XLA (feature_major.attend)": per_layer(feature_major.attend),
-          "kernel (cpu_attention.attend)": per_layer(cpu_attention.attend)}
+  runs = {"XLA (feature_major.attend)": (per_layer(feature_major.attend), keys),
+          "kernel (cpu_attention.attend)": (per_layer(cpu_attention.attend), keys)}
+  if s % cpu_attention.KEY_TILE == 0:  # the continuous pool's layout
+    runs["kernel, keys tiled (tile_keys)"] = (per_layer(cpu_attention.attend),
+                                              [cpu_attention.tile_keys(k) for k in keys])
   if args.against:
-    runs[f"kernel from {args.against}"] = per_layer(other_kernel(args.against))
-  outs = {name: jax.block_until_ready(run(q, keys, values, mask)) for name, run in runs.items()}
+    runs[f"kernel from {args.against}"] = (per_layer(other_kernel(args.against)), keys)
+  outs = {name: jax.block_until_ready(run(q, ks, values, mask))
+          for name, (run, ks) in runs.items()}
   xla, kernel, *other = outs.values()
   np.testing.assert_allclose(kernel, xla, rtol=2e-5, atol=2e-6)
-  for out in other:
-    print(f"--against's outputs differ from the kernel's by at most "
+  for name, out in zip(list(runs)[2:], other):
+    print(f"{name}: outputs differ from the kernel's by at most "
           f"{max(float(np.max(np.abs(a - b))) for a, b in zip(out, kernel)):.2e}")
   times = {name: [] for name in runs}
   for _ in range(args.rounds):
-    for name, run in runs.items():
+    for name, (run, ks) in runs.items():
       start = time.perf_counter()
-      jax.block_until_ready(run(q, keys, values, mask))
+      jax.block_until_ready(run(q, ks, values, mask))
       times[name].append((time.perf_counter() - start) / args.layers * 1e3)
   print(f"{b} rows, {s} slots, {args.live} generated, {args.layers} layers, "
         f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

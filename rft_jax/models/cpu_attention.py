@@ -33,8 +33,9 @@ The continuous sampler's pool holds its keys **tiled** (:func:`tile_keys`: ``[B,
 64]``, the 64 slots of every feature contiguous), which the kernel also reads: a block of slots
 is then one stretch of 16 KiB instead of ``H`` rows a cache length apart (more streams than the
 prefetcher follows, each in its own page). A layer of the large model at 64 rows, 1,088 slots
-and about 248 live ones took 1.59 ms against 1.99 untiled (2026-11-27, AVX-512 EPYC, medians of
-15 alternated calls of 8 layers; the same bits). In both layouts a row's span starts and ends
+and 200 generated tokens took 1.76 ms against 2.07 untiled, and 0.66 against 0.72 at 128 slots
+and 24 generated (2026-11-28, AVX-512 EPYC; ``python benchmarks/speed/cpu_attention.py --rows 64
+--slots 1088 --live 200``, which times both layouts; the same bits). In both layouts a row's span starts and ends
 at a multiple of 16 slots (the slots added are masked; a run of 64 slots is taken at once only
 within a tile), so both read the same slots in the same order and give the same bits
 (``tests/test_cpu_attention.py``). Spans widened to multiples of 64 instead (a first version)
