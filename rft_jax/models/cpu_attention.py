@@ -35,13 +35,14 @@ is then one stretch of 16 KiB instead of ``H`` rows a cache length apart (more s
 prefetcher follows, each in its own page). A layer of the large model at 64 rows, 1,088 slots
 and 200 generated tokens took 1.76 ms against 2.07 untiled, and 0.66 against 0.72 at 128 slots
 and 24 generated (2026-11-28, AVX-512 EPYC; ``python benchmarks/speed/cpu_attention.py --rows 64
---slots 1088 --live 200``, which times both layouts; the same bits). In both layouts a row's span starts and ends
-at a multiple of 16 slots (the slots added are masked; a run of 64 slots is taken at once only
-within a tile), so both read the same slots in the same order and give the same bits
-(``tests/test_cpu_attention.py``). Spans widened to multiples of 64 instead (a first version)
-read too many padding slots at short contexts: on untiled keys at 64 rows and 24 generated
-tokens after 16-48-token prompts (``cpu_attention.py --rows 64 --slots 128 --live 24 --against``
-the kernel before tiling), 0.83 ms a layer against 0.72; at multiples of 16, 0.72 against 0.68.
+--slots 1088 --live 200``, which times both layouts; the same bits). In both layouts a row's
+span starts and ends at a multiple of 16 slots (the slots added are masked; a run of 64 slots
+is taken at once only within a tile), so both read the same slots in the same order and give
+the same bits (``tests/test_cpu_attention.py``). Spans widened to multiples of 64 instead (a
+first version) read too many padding slots at short contexts: on untiled keys at 64 rows and 24
+generated tokens after 16-48-token prompts (``cpu_attention.py --rows 64 --slots 128 --live 24
+--against`` the kernel before tiling), 0.83 ms a layer against 0.72; at multiples of 16, 0.72
+against 0.68.
 The static sampler keeps ``[B, K, H, S]`` keys.
 
 Its vectors are one register wide on the target it is built for (8 float lanes on x86-64-v3, 4
@@ -200,7 +201,7 @@ def available() -> bool:
   return True
 
 
-KEY_TILE = 64  # slots per key tile (a multiple of the kernel's span alignment, 64)
+KEY_TILE = 64  # slots per key tile (a multiple of the kernel's span alignment, 16)
 
 
 def tile_keys(k_cache: Float[Array, "B K H S"]) -> Float[Array, "B K S/T H T"]:
@@ -239,7 +240,8 @@ def write_tiled_keys(k_cache: Float[Array, "B K S/T H T"], keys: Float[Array, "B
   return jax.vmap(row)(k_cache, update, index)
 
 
-def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"] | Float[Array, "B K S/T H T"],
+def attend(q: Float[Array, "B K G H"],
+           k_cache: Float[Array, "B K H S"] | Float[Array, "B K S/T H T"],
            v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]) -> Float[Array, "B K G H"]:
   """:func:`~rft_jax.models.feature_major.attend` by the kernel, in float32, on one CPU device
   only (XLA cannot split a custom call over a mesh; no other platform has a handler for it); where

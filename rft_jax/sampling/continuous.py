@@ -223,7 +223,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
   attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
-  # The kernel reads keys tiled a fifth faster (rft_jax.models.cpu_attention.tile_keys).
+  # The kernel reads tiled keys faster (rft_jax.models.cpu_attention.tile_keys).
   tiled = attention is cpu_attention.attend and spec.kv_pages is None
   prompt_lengths = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
 
