@@ -29,7 +29,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from peers.runners.spec import LONGTAIL, build_checkpoint, prompts, stop_token_ids  # noqa: E402
+from peers.runners.spec import (LONGTAIL, build_checkpoint, longtail_prompts,  # noqa: E402
+                                stop_token_ids)
 from rft_jax.models import cpu_attention, load_hf  # noqa: E402
 from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 
@@ -53,8 +54,8 @@ def main() -> None:
     build_checkpoint(os.path.join(tmp, "checkpoint"), args.model)
     model = load_hf(os.path.join(tmp, "checkpoint"))
     vocab = model.config.vocab_size
-    count, n, new = LONGTAIL[args.work]
-    work = prompts(count, vocab, seed=2 + list(LONGTAIL).index(args.work))  # as write_spec
+    _, n, new = LONGTAIL[args.work]
+    work = longtail_prompts(args.work, vocab)
     params = SamplingParams(n=n, max_new_tokens=new, temperature=1.0,
                             stop_token_ids=tuple(stop_token_ids(vocab)),
                             decode_slots=args.decode_slots)

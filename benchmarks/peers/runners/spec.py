@@ -57,6 +57,12 @@ LONGTAIL = {"longtail_128": (16, 8, 1024), "longtail_512": (64, 8, 512)}
 STOP_EVERY = 200  # a near-uniform random model emits one of vocab / 200 stop ids once in ~200 steps
 
 
+def longtail_prompts(work: str, vocab: int) -> list[list[int]]:
+  """The prompts of the long-tailed ``work`` (:data:`LONGTAIL`), the same in every contender's
+  spec and in ``benchmarks/speed/longtail_trace.py``."""
+  return prompts(LONGTAIL[work][0], vocab, seed=2 + list(LONGTAIL).index(work))
+
+
 # Decode steps at fixed batch sizes (benchmarks/peers/decode_steps.py): work -> rows, each on its
 # own prompt of DECODE_PROMPT tokens, timed over DECODE_STEPS steps.
 DECODE = {"decode_1": 1, "decode_8": 8, "decode_32": 32, "decode_64": 64, "decode_128": 128}
@@ -91,8 +97,8 @@ def write_spec(model: str, root: str, threads: int, longtail: bool = False,
           "rollout_prompts": prompts(ROLLOUT_PROMPTS, vocab, seed=0),
           "group_prompts": prompts(GROUPS, vocab, seed=1), "group_size": GROUP_SIZE,
           "new_tokens": NEW_TOKENS, "temperature": 1.0, "lr": 1e-5, "threads": threads,
-          "longtail": {work: {"prompts": prompts(count, vocab, seed=2 + i), "n": n, "new_tokens": new}
-                       for i, (work, (count, n, new)) in enumerate(LONGTAIL.items()) if longtail},
+          "longtail": {work: {"prompts": longtail_prompts(work, vocab), "n": n, "new_tokens": new}
+                       for work, (_, n, new) in LONGTAIL.items() if longtail},
           "decode": {work: {"prompts": prompts(rows, vocab, seed=20 + i, lo=DECODE_PROMPT,
                                                hi=DECODE_PROMPT), "steps": DECODE_STEPS}
                      for i, (work, rows) in enumerate(DECODE.items()) if decode},
