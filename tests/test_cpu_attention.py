@@ -110,12 +110,14 @@ def test_tiled_keys_give_the_same_bits(shape, cpu_kernel):
 
 def test_write_tiled_keys_writes_what_write_slots_writes():
   """One token's keys written into tiled keys, at a shared slot and at one slot per row, equal
-  the untiled write, tiled; a cache of a partial tile is refused in one line."""
+  the untiled write, tiled, also past the last slot (clamped to it); a cache of a partial tile
+  is refused in one line."""
   from rft_jax.models.kv_cache import write_slots
   rng = np.random.default_rng(3)
   keys = jnp.asarray(rng.standard_normal((3, 2, 16, 128)), jnp.float32)
   token = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
-  for index in (jnp.int32(70), jnp.asarray([0, 63, 127], jnp.int32)):
+  for index in (jnp.int32(70), jnp.asarray([0, 63, 127], jnp.int32), jnp.int32(130),
+                jnp.asarray([128, 5, 200], jnp.int32)):
     want = cpu_attention.tile_keys(write_slots(keys, token[..., None], index, axis=3))
     got = jax.jit(cpu_attention.write_tiled_keys)(cpu_attention.tile_keys(keys), token, index)
     np.testing.assert_array_equal(got, want)

@@ -80,7 +80,11 @@ def main() -> None:
     runs["kernel, keys tiled (tile_keys)"] = (per_layer(cpu_attention.attend),
                                               [cpu_attention.tile_keys(k) for k in keys])
   if args.against:
-    runs[f"kernel from {args.against}"] = (per_layer(other_kernel(args.against)), keys)
+    against = per_layer(other_kernel(args.against))
+    runs[f"kernel from {args.against}"] = (against, keys)
+    if s % cpu_attention.KEY_TILE == 0:
+      runs[f"kernel from {args.against}, keys tiled"] = (
+          against, [cpu_attention.tile_keys(k) for k in keys])
   outs = {name: jax.block_until_ready(run(q, ks, values, mask))
           for name, (run, ks) in runs.items()}
   xla, kernel, *other = outs.values()

@@ -229,8 +229,11 @@ def tiled_slots(slots: int) -> int:
 def write_tiled_keys(k_cache: Float[Array, "B K S/T H T"], keys: Float[Array, "B K H"],
                      index: Int[Array, ""] | Int[Array, "B"]) -> Float[Array, "B K S/T H T"]:
   """:func:`~rft_jax.models.kv_cache.write_slots` of one token's ``keys`` per row into tiled
-  keys at slot ``index`` (shared, or one per row)."""
+  keys at slot ``index`` (shared, or one per row); an index past the last slot writes the last
+  slot, as ``write_slots`` clamps it (clamping the tile and the offset within it apart would
+  write the last tile at the index's own offset)."""
   t = k_cache.shape[-1]
+  index = jnp.clip(index, 0, k_cache.shape[2] * t - 1)
   update = keys[:, :, None, :, None].astype(k_cache.dtype)  # [B, K, 1, H, 1]
   if jnp.ndim(index) == 0:
     return jax.lax.dynamic_update_slice(k_cache, update, (0, 0, index // t, 0, index % t))

@@ -14,6 +14,13 @@ from peers.runners.report import print_details
 from peers.runners.spec import write_spec
 
 
+# glibc (2.35 on) then advises transparent huge pages for what malloc maps, where the kernel
+# gives them only on advice (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise``): every
+# contender's weights and caches then sit in 2 MiB pages. Older glibc ignores it. Off by
+# default, so that the README's figures compare (``launch/local.sh`` sets it for rft_jax's demo).
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
 def add_common_arguments(parser, rounds: int) -> None:
   """The drivers' shared options: models, rounds, the peers' virtualenvs, threads, --keep."""
   parser.add_argument("--models", nargs="+", choices=("small", "large"), default=["small", "large"])
@@ -23,14 +30,27 @@ def add_common_arguments(parser, rounds: int) -> None:
   parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                       help="torch threads of the torch peers (default: the core count)")
   parser.add_argument("--keep", help="keep checkpoints, runner logs and results (JSON) here")
+  parser.add_argument("--huge-pages", action="store_true",
+                      help=f"start every runner with GLIBC_TUNABLES={HUGE_PAGES}")
+
+
+def runner_env(env: dict, huge_pages: bool) -> dict:
+  """The runners' environment, the same for every contender: ``env``, with
+  ``GLIBC_TUNABLES`` = :data:`HUGE_PAGES` if ``huge_pages`` (a ``GLIBC_TUNABLES`` of ``env``
+  is kept)."""
+  if not huge_pages or "GLIBC_TUNABLES" in env:
+    return dict(env)
+  return dict(env, GLIBC_TUNABLES=HUGE_PAGES)
 
 
 def measure_models(args, env: dict, note: str = "", **settings) -> dict:
   """:func:`measure` of every model of ``args.models``, each one's table printed as it ends,
-  with the time, the core count and the load average before and after; ``{model: results}``."""
+  with the time, the core count and the load average before and after; ``{model: results}``.
+  Every runner starts with :func:`runner_env`."""
+  env = runner_env(env, args.huge_pages)
   print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
         f"cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.rounds} "
-        f"rounds{note}", flush=True)
+        f"rounds{note}; GLIBC_TUNABLES={env.get('GLIBC_TUNABLES', '')}", flush=True)
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
     root = args.keep or tmp
