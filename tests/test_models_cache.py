@@ -58,6 +58,38 @@ def test_feature_major_decode_step_with_the_attention_kernel_equals_decode_step(
                          attention=cpu_attention.attend)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["attend", "kernel"])
+def test_feature_major_rows_not_live_leave_the_live_rows_and_the_cache_as_they_were(
+    model, kernel, request):
+  """``live``: the rows left out (a continuous pool's stopped slots) attend to the slot they
+  write only, so the kernel skips their caches; the live rows' logits and cache rows are the same
+  bits as without ``live``, so are the slot masks, positions and indices, and the other rows'
+  logits and cache rows stay finite, also at a write index past the cache's end (clamped, as
+  the write is)."""
+  attention = feature_major.attend
+  if kernel:
+    request.getfixturevalue("cpu_kernel")
+    attention = cpu_attention.attend
+  prompt, mask = left_padded_batch()
+  cache = model.init_cache(len(LENGTHS), MAX_LEN)
+  _, cache = _prefill(model, jnp.asarray(prompt), jnp.asarray(mask), cache)
+  cache = cache.replace(index=jnp.asarray([6, 9, MAX_LEN + 3], jnp.int32))
+  live = jnp.asarray([True, False, False])
+  step = nnx.jit(lambda m, c, live: feature_major.decode_step(
+      m, feature_major.decode_weights(m), jnp.asarray([3, 5, 7]), c, attention, live=live))
+  with jax.default_device(jax.devices("cpu")[0]):
+    want, want_cache = step(model, cache, None)
+    got, got_cache = step(model, cache, live)
+  np.testing.assert_array_equal(np.asarray(got)[:, 0], np.asarray(want)[:, 0])
+  assert np.isfinite(np.asarray(got)).all()
+  assert not np.array_equal(np.asarray(got)[:, 1], np.asarray(want)[:, 1])  # one slot, not ten
+  for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+    assert np.isfinite(np.asarray(a)).all()
+  for name in ("slot_mask", "positions", "index"):
+    np.testing.assert_array_equal(getattr(got_cache, name), getattr(want_cache, name))
+
+
 def test_unstacked_layers_at_traced_indices_equal_the_constant_slices(model):
   """``unstacked_layers(at=...)`` (the sampler's form: indices that are arguments of the
   program) gives every layer's parameters exactly; a wrong count of indices is an error."""

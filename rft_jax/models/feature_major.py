@@ -149,7 +149,8 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
 
 
 def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: KVCache,
-                attention: Callable = attend) -> tuple[Float[Array, "V B"], KVCache]:
+                attention: Callable = attend, live: Bool[Array, "B"] | None = None
+                ) -> tuple[Float[Array, "V B"], KVCache]:
   """:meth:`Qwen.decode_step` (one token per row), returning the logits vocabulary-major.
 
   Args:
@@ -161,6 +162,9 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
       the kernel, which reads both layouts.
     attention: :func:`attend`, or what computes the same
       (:func:`rft_jax.models.cpu_attention.attend`, a compiled kernel).
+    live: ``[B]`` the rows whose logits the caller keeps (None: all). The others, such as a
+      continuous pool's stopped slots, attend to the slot they write only, so that the kernel,
+      which reads a row's live slots only, skips their caches; their logits mean nothing.
 
   Returns:
     ``(logits [V, B] float32, cache)``.
@@ -172,6 +176,9 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
   slots = jnp.arange(cache.max_len)
   slot_mask = write_slots(cache.slot_mask, jnp.ones((b, 1), bool), cache.index, axis=1)
   mask = visible_slots(slot_mask, query_slots(cache.index, b, 1))[:, 0]  # [B, S]
+  if live is not None:  # the slot written (clamped to the last, as the write is)
+    written = slots == jnp.minimum(jnp.reshape(cache.index, (-1, 1)), cache.max_len - 1)
+    mask = jnp.where(live[:, None], mask, written)
   # RoPE at each row's position, [H, B]: from the tables of every slot, computed once per loop.
   tables = model.rope(slots[None])  # [1, S, 1, H] each
   cos, sin = (jnp.take(t[0, :, 0], cache.positions, axis=0, mode="clip").T for t in tables)

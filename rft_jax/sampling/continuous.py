@@ -281,7 +281,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                                               kind=paged_kind, mesh=mesh)
       vocab_axis = 1
     elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
+      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
+                                                live=s.running)  # stopped slots skip attention
       vocab_axis = 0
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
