@@ -15,7 +15,10 @@ samples each (``R = B * n`` samples, sample ``b * n + j`` is sample ``j`` of pro
    slot on CPU and eight elsewhere: :func:`min_pool_slots`): when the running samples fit the
    next size, they are gathered into a pool of that size and decoding goes on there, so the
    last long completions run in a small batch instead of keeping every slot of the call busy;
-   the call ends when nothing waits or runs.
+   the call ends when nothing waits or runs. Until then a stopped slot still takes part in the
+   weight products (their shapes are the stage's), but on one CPU device not in attention: it
+   attends to the slot it writes only (``feature_major.decode_step``'s ``live``), so the kernel
+   skips its cache.
 
 Each sample's tokens and log-probabilities depend only on its prompt, its sample index and the
 seed: its uniform numbers are those of :mod:`rft_jax.sampling.keys` (by sample and step, not by

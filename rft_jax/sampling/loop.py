@@ -233,7 +233,8 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
 
   def body(s: LoopState) -> LoopState:
     if on_cpu:  # weight-first products, [V, B] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention)
+      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
+                                                live=~s.done)  # done rows skip attention
       vocab_axis = 0
     else:
       logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
