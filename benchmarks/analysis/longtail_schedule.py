@@ -15,7 +15,9 @@ probability ``--stop-p`` per token, truncated at ``--max-new``) through:
 Step prices between measured sizes are interpolated linearly. Prefill, admission copies and the
 stages' compaction are not priced, so both are lower bounds of a real call; their ratio says
 how much a better schedule could still gain, and ``ideal`` how fast the step must get to beat a
-time. Prints the per-size step times and the median seconds of each schedule.
+time. Prints the per-size step times, the median seconds of each schedule and the share of the
+pool's columns that hold no running sample (its stopped slots until the next stage; that share
+does not depend on the step prices).
 
     python benchmarks/analysis/longtail_schedule.py --model large --rows 128 --max-new 1024
 """
@@ -23,6 +25,7 @@ time. Prints the per-size step times and the median seconds of each schedule.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -74,6 +77,23 @@ def pool_seconds(lengths: list[int], slots: tuple[int, ...], cost) -> float:
   return total
 
 
+def idle_share(lengths: list[int], slots: tuple[int, ...]) -> float:
+  """The share of the pool's columns (slots x steps) that hold no running sample: a stopped
+  sample's slot until the next stage (what the weight products still multiply)."""
+  columns, idle = collections.Counter(), 0
+  queue, running, stage = list(lengths), [], 0
+  while queue or running:
+    size = slots[stage]
+    while queue and len(running) < size:
+      running.append(queue.pop(0))
+    columns[size] += 1
+    idle += size - len(running)
+    running = [left - 1 for left in running if left > 1]
+    while not queue and stage + 1 < len(slots) and len(running) <= slots[stage + 1]:
+      stage += 1
+  return idle / sum(size * steps for size, steps in columns.items())
+
+
 def ideal_seconds(lengths: list[int], cost) -> float:
   lengths = np.asarray(lengths)
   return sum(cost(int(np.sum(lengths > s))) for s in range(int(lengths.max())))
@@ -104,17 +124,19 @@ def main() -> None:
   slots = pool_sizes(args.rows, args.decode_slots, args.stages, min_slots=min_pool_slots("cpu"))
   rng = np.random.default_rng(0)
   other = tuple(args.pool)
-  pool, custom, ideal, tokens = [], [], [], []
+  pool, custom, ideal, tokens, idle = [], [], [], [], []
   for _ in range(args.trials):
     lengths = np.minimum(rng.geometric(args.stop_p, args.rows), args.max_new).tolist()
     tokens.append(sum(lengths))
     pool.append(pool_seconds(lengths, slots, cost))
+    idle.append(idle_share(lengths, slots))
     custom.append(pool_seconds(lengths, other, cost) if other else 0.0)
     ideal.append(ideal_seconds(lengths, cost))
   print(f"{args.rows} rows, max {args.max_new} new tokens, ~{statistics.median(tokens):.0f} "
         f"tokens; medians of {args.trials} draws: pool {slots}: {statistics.median(pool):.1f} s"
         + (f", pool {other}: {statistics.median(custom):.1f} s" if other else "")
-        + f", ideal (a batch of the running rows): {statistics.median(ideal):.1f} s")
+        + f", ideal (a batch of the running rows): {statistics.median(ideal):.1f} s; the pool's "
+        f"columns without a running sample: {statistics.median(idle):.1%}")
 
 
 if __name__ == "__main__":
