@@ -32,32 +32,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from peers.runners.spec import LONGTAIL, STOP_EVERY  # noqa: E402
-from speed.learner_step import MODELS  # noqa: E402
+from speed.learner_step import MODELS, config_of  # noqa: E402
+from speed.sampler import kv_bytes_per_token, weight_arrays  # noqa: E402
 
 
-def parameters(model: str) -> int:
-  """The weights a decode step multiplies by (tied embeddings: the unembedding once)."""
-  m = MODELS[model]
-  d, f, h = m["hidden_size"], m["intermediate_size"], m["head_dim"]
-  qkv = d * h * (m["num_attention_heads"] + 2 * m["num_key_value_heads"])
-  layer = qkv + m["num_attention_heads"] * h * d + 3 * d * f
-  return m["vocab_size"] * d + m["num_hidden_layers"] * layer
-
-
-def slot_bytes(model: str) -> int:
-  """Bytes of keys and values a row reads per cache slot, over every layer (float32)."""
-  m = MODELS[model]
-  return m["num_hidden_layers"] * 2 * m["num_key_value_heads"] * m["head_dim"] * 4
-
-
-def floor_seconds(lengths: np.ndarray, prompts: np.ndarray, weights: int, per_slot: int,
-                  peak: float, bandwidth: float) -> tuple[float, float]:
-  """(products s, attention s) of the ideal engine on rows of ``lengths`` new tokens after
+def floor_seconds(lengths: np.ndarray, prompts: np.ndarray, weights: int, weight_bytes: int,
+                  per_slot: int, peak: float, bandwidth: float) -> tuple[float, float]:
+  """(products s, attention s) of the ideal engine (``weights`` parameters in ``weight_bytes``,
+  ``per_slot`` bytes of keys and values a cache slot) on rows of ``lengths`` new tokens after
   ``prompts`` tokens."""
   products = attention = 0.0
   for t in range(int(lengths.max())):
     running = lengths > t
-    products += max(2 * weights * int(running.sum()) / peak, 4 * weights / bandwidth)
+    products += max(2 * weights * int(running.sum()) / peak, weight_bytes / bandwidth)
     attention += float((prompts[running] + t + 1).sum()) * per_slot / bandwidth
   return products, attention
 
@@ -80,7 +67,9 @@ def main() -> None:
   print("| model | work | tokens | floor s | products s | attention s | share needed |")
   print("|---|---|---|---|---|---|---|")
   for model in args.models:
-    weights, per_slot = parameters(model), slot_bytes(model)
+    arrays, per_slot = weight_arrays(config_of(model)), kv_bytes_per_token(config_of(model))
+    weights = sum(x.size for x in arrays)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in arrays)
     for work in args.work:
       prompts_n, n, max_new = LONGTAIL[work]
       rng = np.random.default_rng(0)
@@ -88,8 +77,8 @@ def main() -> None:
       for _ in range(args.trials):
         lengths = np.minimum(rng.geometric(args.stop_p, prompts_n * n), max_new)
         prompts = np.repeat(rng.integers(16, 49, prompts_n), n)
-        parts = floor_seconds(lengths, prompts, weights, per_slot, args.peak * 1e9,
-                              args.bandwidth * 1e9)
+        parts = floor_seconds(lengths, prompts, weights, weight_bytes, per_slot,
+                              args.peak * 1e9, args.bandwidth * 1e9)
         rows.append((sum(parts), *parts, int(lengths.sum())))
       floor, products, attention, tokens = (statistics.median(c) for c in zip(*rows))
       other = next(against, None)

@@ -25,7 +25,6 @@ does not depend on the step prices).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import statistics
 import sys
@@ -63,35 +62,30 @@ def price(step: dict[int, float]):
   return lambda b: float(np.interp(b, sizes, [step[s] for s in sizes]))
 
 
-def pool_seconds(lengths: list[int], slots: tuple[int, ...], cost) -> float:
-  """The pool schedule of ``rft_jax.sampling.continuous`` replayed on ``lengths``."""
-  queue, running, total, stage = list(lengths), [], 0.0, 0
-  while queue or running:
-    size = slots[stage]
-    while queue and len(running) < size:
-      running.append(queue.pop(0))
-    total += cost(size)
-    running = [left - 1 for left in running if left > 1]
-    while not queue and stage + 1 < len(slots) and len(running) <= slots[stage + 1]:
-      stage += 1
-  return total
-
-
-def idle_share(lengths: list[int], slots: tuple[int, ...]) -> float:
-  """The share of the pool's columns (slots x steps) that hold no running sample: a stopped
-  sample's slot until the next stage (what the weight products still multiply)."""
-  columns, idle = collections.Counter(), 0
+def pool_steps(lengths: list[int], slots: tuple[int, ...]):
+  """The pool schedule of ``rft_jax.sampling.continuous`` replayed on ``lengths``: each step's
+  pool size and running samples."""
   queue, running, stage = list(lengths), [], 0
   while queue or running:
     size = slots[stage]
     while queue and len(running) < size:
       running.append(queue.pop(0))
-    columns[size] += 1
-    idle += size - len(running)
+    yield size, len(running)
     running = [left - 1 for left in running if left > 1]
     while not queue and stage + 1 < len(slots) and len(running) <= slots[stage + 1]:
       stage += 1
-  return idle / sum(size * steps for size, steps in columns.items())
+
+
+def pool_seconds(lengths: list[int], slots: tuple[int, ...], cost) -> float:
+  """The pool schedule, every step priced at its pool size."""
+  return sum(cost(size) for size, _ in pool_steps(lengths, slots))
+
+
+def idle_share(lengths: list[int], slots: tuple[int, ...]) -> float:
+  """The share of the pool's columns (slots x steps) that hold no running sample: a stopped
+  sample's slot until the next stage (what the weight products still multiply)."""
+  steps = list(pool_steps(lengths, slots))
+  return sum(size - running for size, running in steps) / sum(size for size, _ in steps)
 
 
 def ideal_seconds(lengths: list[int], cost) -> float:

@@ -37,10 +37,14 @@ MODELS = {
 }
 
 
+def config_of(name: str) -> QwenConfig:
+  """The config of the Qwen3 of size ``name`` (float32, tied embeddings)."""
+  return QwenConfig(model_type="qwen3", tie_word_embeddings=True, **MODELS[name])
+
+
 def build(name: str, seed: int = 0) -> Qwen:
-  """A random Qwen3 of size ``name`` (float32, tied embeddings)."""
-  config = QwenConfig(model_type="qwen3", tie_word_embeddings=True, **MODELS[name])
-  return Qwen(config, rngs=nnx.Rngs(seed))
+  """A random Qwen3 of size ``name`` (:func:`config_of`)."""
+  return Qwen(config_of(name), rngs=nnx.Rngs(seed))
 
 
 def synthetic_batch(vocab: int, rows: int = 32, prompt: int = 64, completion: int = 128,

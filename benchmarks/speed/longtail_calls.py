@@ -30,6 +30,19 @@ from rft_jax.models import cpu_attention, load_hf  # noqa: E402
 from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 
 
+def load_work(root: str, model_name: str, work: str, decode_slots: int):
+  """``(model, prompts, params)`` of the long-tailed ``work`` on the peers' ``model_name``, its
+  checkpoint written under ``root`` (which must outlive the model): the prompts, samples, stop
+  ids and limit every contender of ``longtail.py`` gets, at temperature 1."""
+  build_checkpoint(os.path.join(root, "checkpoint"), model_name)
+  model = load_hf(os.path.join(root, "checkpoint"))
+  vocab = model.config.vocab_size
+  _, n, new = LONGTAIL[work]
+  params = SamplingParams(n=n, max_new_tokens=new, temperature=1.0,
+                          stop_token_ids=tuple(stop_token_ids(vocab)), decode_slots=decode_slots)
+  return model, longtail_prompts(work, vocab), params
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="large", choices=("small", "large"))
@@ -42,14 +55,7 @@ def main() -> None:
         f"{args.decode_slots} slots; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')}",
         flush=True)
   with tempfile.TemporaryDirectory() as tmp:
-    build_checkpoint(os.path.join(tmp, "checkpoint"), args.model)
-    model = load_hf(os.path.join(tmp, "checkpoint"))
-    vocab = model.config.vocab_size
-    _, n, new = LONGTAIL[args.work]
-    params = SamplingParams(n=n, max_new_tokens=new, temperature=1.0,
-                            stop_token_ids=tuple(stop_token_ids(vocab)),
-                            decode_slots=args.decode_slots)
-    work = longtail_prompts(args.work, vocab)
+    model, work, params = load_work(tmp, args.model, args.work, args.decode_slots)
     start = time.perf_counter()
     generate(model, work, params, seed=10**6)  # compiles
     print(f"first call (compile) {time.perf_counter() - start:.1f} s", flush=True)
@@ -60,6 +66,7 @@ def main() -> None:
       tokens = int(np.asarray(out.completion_lengths).sum())
       print(f"seed {seed}: {seconds:.2f} s, {tokens} tokens, {seconds / tokens * 1e3:.3f} ms a "
             "token", flush=True)
+
 
 if __name__ == "__main__":
   main()

@@ -29,10 +29,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from peers.runners.spec import (LONGTAIL, build_checkpoint, longtail_prompts,  # noqa: E402
-                                stop_token_ids)
-from rft_jax.models import cpu_attention, load_hf  # noqa: E402
-from rft_jax.sampling import SamplingParams, generate  # noqa: E402
+from peers.runners.spec import LONGTAIL  # noqa: E402
+from rft_jax.models import cpu_attention  # noqa: E402
+from rft_jax.sampling import generate  # noqa: E402
+from speed.longtail_calls import load_work  # noqa: E402
 
 KINDS = (("products", ("dot", "ynn_fusion")), ("attention", ("ffi_call",)),
          ("cache writes", ("wrapped_scatter",)))
@@ -51,14 +51,7 @@ def main() -> None:
   args = parser.parse_args()
   cpu_attention.build()
   with tempfile.TemporaryDirectory() as tmp:
-    build_checkpoint(os.path.join(tmp, "checkpoint"), args.model)
-    model = load_hf(os.path.join(tmp, "checkpoint"))
-    vocab = model.config.vocab_size
-    _, n, new = LONGTAIL[args.work]
-    work = longtail_prompts(args.work, vocab)
-    params = SamplingParams(n=n, max_new_tokens=new, temperature=1.0,
-                            stop_token_ids=tuple(stop_token_ids(vocab)),
-                            decode_slots=args.decode_slots)
+    model, work, params = load_work(tmp, args.model, args.work, args.decode_slots)
     generate(model, work, params, seed=args.seed + 1)  # compiles
     start = time.perf_counter()
     out = generate(model, work, params, seed=args.seed)

@@ -165,13 +165,22 @@ def compare(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # Roofline.
 
+def weight_arrays(config: QwenConfig) -> list[jax.ShapeDtypeStruct]:
+  """The parameters of a Qwen of ``config``, abstract (no memory): what a decode step reads."""
+  model = nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0)))
+  return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+def kv_bytes_per_token(config: QwenConfig) -> int:
+  """Bytes of keys and values one token holds in the cache, over every layer."""
+  return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+          * jnp.dtype(config.dtype).itemsize)
+
+
 def decode_bytes(config: QwenConfig, batch: int, prompt: int, new_tokens: int) -> dict:
   """Bytes one decode step reads: weights once, KV per row (useful and as allocated)."""
-  model = nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0)))
-  params = nnx.state(model, nnx.Param)
-  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  kv_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                  * jnp.dtype(config.dtype).itemsize)
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in weight_arrays(config))
+  kv_per_token = kv_bytes_per_token(config)
   slots = prompt_length_bucket(prompt) + new_tokens - 1
   live = prompt + new_tokens / 2  # average context over the decode steps
   return {"weights": weight_bytes, "kv_useful": batch * live * kv_per_token,
