@@ -9,11 +9,16 @@ collectives) and prints the program's memory per device. A decode step launches 
 fusion or library call of its body, and runs each collective in it.
 
     JAX_PLATFORMS=cpu python benchmarks/accelerator/decode_kernels.py --preset 0.5b --batch 64 --topology h200:1
+    JAX_PLATFORMS=cpu python benchmarks/accelerator/decode_kernels.py --preset 0.5b --batch 64 --topology h100:1 --scheduler continuous
     JAX_PLATFORMS=cpu python benchmarks/accelerator/decode_kernels.py --preset 0.5b --batch 64 --topology h100:1 --kv-pages 2048
     python benchmarks/accelerator/decode_kernels.py --preset 0.5b --batch 64 --topology v5p:2x2x1 --data 4
 
-``--kv-pages N`` compiles continuous batching on a paged cache instead (the paper's configs).
-At 0.5B, batch 64, on h100:1 (2026-11-27): 368 kernels a decode step against the static loop's
+``--scheduler continuous`` compiles continuous batching's pool instead (the default scheduler; one
+slot a row, one stage), ``--kv-pages N`` the same on a paged cache (the paper's configs). At 0.5B,
+batch 64, on h100:1 (2026-11-28) the pool's decode step is 366 kernels: per layer the static
+loop's, its two cache writes scatters (a write index per slot); its admission's body (54 kernels:
+every layer's keys and values of one entering sample's prompt, and its slot mask) runs once per
+entering sample. With pages (2026-11-27): 368 kernels a decode step against the static loop's
 358; per layer, two scatters into the pages (the token's key and value) and the Pallas kernel
 with its wrapper's query padding, exponential and convert. Admission (62 kernels, 48 of them the
 copies of the entering samples' partial prompt pages) runs in its own loop body, only when a
@@ -67,9 +72,12 @@ def main() -> None:
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="the stored parameters' dtype (the paper's configs: float32)")
+  parser.add_argument("--scheduler", choices=("static", "continuous"), default="static",
+                      help="the sampler's program: the static loop, or continuous batching's "
+                           "pool (one slot a row, one stage; the default scheduler)")
   parser.add_argument("--kv-pages", type=int, default=None,
                       help="continuous batching on this many pages of 16 tokens per data shard "
-                           "(the paper's configs), one decode slot a row; default: the static loop")
+                           "(the paper's configs), one decode slot a row")
   parser.add_argument("--paged-attention", default="auto", help="SamplingParams.paged_attention")
   args = parser.parse_args()
   topo = topology(args.topology)
@@ -78,7 +86,7 @@ def main() -> None:
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
   b, p = args.batch, args.prompt
-  if args.kv_pages is None:
+  if args.kv_pages is None and args.scheduler == "static":
     spec = LoopSpec.of(SamplingParams(max_new_tokens=args.new_tokens))
   else:
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=(0,),
