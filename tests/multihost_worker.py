@@ -1,16 +1,17 @@
 """One process of the multi-process test (``tests/test_multihost.py``), or its one-process reference.
 
 :func:`run` builds the tiny random Qwen of ``test_learner`` on a ``data=2 x model=4`` mesh over
-all devices, samples with :func:`rft_jax.sampling.generate`, and takes one learner step on the
-rollouts, then checkpoints and restores the state. Run as a script (``python multihost_worker.py
-OUT.npz CHECKPOINT_DIR``) it first joins the processes
-named by ``RFT_JAX_COORDINATOR`` / ``RFT_JAX_NUM_PROCESSES`` / ``RFT_JAX_PROCESS_ID``
+all devices, samples with :func:`rft_jax.sampling.generate` (and again on a paged KV cache), and
+takes one learner step on the rollouts, then checkpoints and restores the state. Run as a script
+(``python multihost_worker.py OUT.npz CHECKPOINT_DIR``) it first joins the processes named by
+``RFT_JAX_COORDINATOR`` / ``RFT_JAX_NUM_PROCESSES`` / ``RFT_JAX_PROCESS_ID``
 (:func:`rft_jax.parallel.multihost.initialize_from_env`; without them it runs alone) and saves
 what :func:`run` returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -41,6 +42,9 @@ def run(checkpoint_dir: str) -> dict[str, np.ndarray]:
   params = SamplingParams(n=GROUP, temperature=1.0, max_new_tokens=8)
   rollouts = generate(model, PROMPTS, params, seed=7, mesh=mesh)
   arrays = rollouts.to_learner_arrays()
+  # The paged pool (the paper's configs): one pool per data shard, here one per process.
+  paged = generate(model, PROMPTS, dataclasses.replace(params, kv_pages=16, page_size=4),
+                   seed=7, mesh=mesh)
 
   # Reward: the fraction of even tokens in the completion; GRPO advantages per prompt.
   m = rollouts.completion_ids.shape[1]
@@ -63,8 +67,12 @@ def run(checkpoint_dir: str) -> dict[str, np.ndarray]:
   same = jax.tree.map(lambda a, b: bool(np.array_equal(host_array(a), host_array(b))),
                       restored, state)
   out = {"restored_equal": np.asarray(all(jax.tree.leaves(same)) and step == 1
-                                      and meta == {"data": {"epoch": 0}}),"completion_ids": rollouts.completion_ids, "completion_lengths": rollouts.completion_lengths,
-         "logprobs": rollouts.logprobs, "spans_processes": np.asarray(spans),
+                                      and meta == {"data": {"epoch": 0}}),
+         "completion_ids": rollouts.completion_ids,
+         "completion_lengths": rollouts.completion_lengths, "logprobs": rollouts.logprobs,
+         "paged/completion_ids": paged.completion_ids, "paged/logprobs": paged.logprobs,
+         "paged/evictions": np.asarray(paged.evictions),
+         "spans_processes": np.asarray(spans),
          "process_count": np.asarray(jax.process_count())}
   out.update({f"metric/{k}": np.asarray(v) for k, v in metrics.items()})
   for path, x in nnx.to_flat_state(state.params):

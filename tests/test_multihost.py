@@ -1,5 +1,6 @@
 """Two real processes (4 CPU devices each, joined by ``jax.distributed``) on one 2 x 4 mesh give
-what one process with 8 devices gives: the same rollouts from ``generate`` and the same learner
+what one process with 8 devices gives: the same rollouts from ``generate`` (also on a paged KV
+cache, one pool per data shard: here one per process) and the same learner
 step (metrics and updated parameters), read back in full on every process; an orbax checkpoint
 written by both processes restores to the same state.
 
@@ -96,6 +97,7 @@ def test_two_processes_equal_one_process(tmp_path):
   assert reference["restored_equal"]
   assert np.isfinite(reference["metric/loss"]) and reference["metric/grad_norm"] > 0
   assert reference["metric/response_tokens"] > 0
+  assert reference["paged/evictions"] > 0  # 16 pages of 4 tokens a shard: samples wait and re-enter
   for i, got in enumerate(results):
     assert int(got["process_count"]) == 2 and got["spans_processes"], i
     assert got["restored_equal"], f"process {i}: the orbax round trip changed the state"
@@ -103,6 +105,9 @@ def test_two_processes_equal_one_process(tmp_path):
     np.testing.assert_array_equal(got["completion_ids"], reference["completion_ids"])
     np.testing.assert_array_equal(got["completion_lengths"], reference["completion_lengths"])
     np.testing.assert_allclose(got["logprobs"], reference["logprobs"], atol=1e-5)
+    np.testing.assert_array_equal(got["paged/completion_ids"], reference["completion_ids"])
+    np.testing.assert_allclose(got["paged/logprobs"], reference["logprobs"], atol=1e-5)
+    assert got["paged/evictions"] == reference["paged/evictions"], i
     for key in reference:
       if key.startswith("metric/"):
         np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, atol=1e-6,
