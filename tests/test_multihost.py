@@ -98,6 +98,7 @@ def test_two_processes_equal_one_process(tmp_path):
   assert np.isfinite(reference["metric/loss"]) and reference["metric/grad_norm"] > 0
   assert reference["metric/response_tokens"] > 0
   assert reference["paged/evictions"] > 0  # 16 pages of 4 tokens a shard: samples wait and re-enter
+  np.testing.assert_array_equal(reference["paged/completion_ids"], reference["completion_ids"])
   for i, got in enumerate(results):
     assert int(got["process_count"]) == 2 and got["spans_processes"], i
     assert got["restored_equal"], f"process {i}: the orbax round trip changed the state"
