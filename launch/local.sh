@@ -9,6 +9,7 @@ cd "$ROOT"
 rft-jax build-kernels || true
 # Huge pages for what malloc maps (glibc 2.35 on; older ones ignore it): where the kernel gives
 # transparent huge pages on advice, the weights and KV cache sit in 2 MiB pages, and long-tailed
-# CPU rollouts run 2-3% faster (README, "Huge pages"). A GLIBC_TUNABLES of your own is kept.
+# CPU rollouts run 2-3% faster (benchmarks/LONGTAIL.md, "Huge pages"). A GLIBC_TUNABLES of
+# your own is kept.
 export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 exec rft-jax demo "$@"

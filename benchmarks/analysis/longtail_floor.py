@@ -13,7 +13,8 @@ vLLM's scheduler runs them with enough memory), and costs at least
 the two added, as if nothing overlapped and nothing else (sampling, cache writes, norms) cost.
 Lengths are drawn as the works draw them (prompts of 16-48 tokens; every step ends a row with
 probability ``--stop-p``, at most the work's limit). Defaults: 192 GFLOP/s (2 cores x 32 float32
-FLOPs a cycle x 3 GHz) and 29 GB/s (an XLA sum over 512 MiB on both cores), the README's floor.
+FLOPs a cycle x 3 GHz) and 29 GB/s (an XLA sum over 512 MiB on both cores): the floor of
+benchmarks/LONGTAIL.md.
 
 Prints, per model and work, the median floor over ``--trials`` draws, its parts, and the share
 of it an engine must reach to take ``1 / --ratio`` of another's measured time (``--against``).
