@@ -43,11 +43,16 @@ def load_work(root: str, model_name: str, work: str, decode_slots: int):
   return model, longtail_prompts(work, vocab), params
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_work_arguments(parser: argparse.ArgumentParser) -> None:
+  """``--model``, ``--work`` and ``--decode-slots``: what :func:`load_work` takes."""
   parser.add_argument("--model", default="large", choices=("small", "large"))
   parser.add_argument("--work", default="longtail_128", choices=sorted(LONGTAIL))
   parser.add_argument("--decode-slots", type=int, default=64)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_work_arguments(parser)
   parser.add_argument("--calls", type=int, default=3)
   args = parser.parse_args()
   cpu_attention.build()

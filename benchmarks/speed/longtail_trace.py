@@ -29,10 +29,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from peers.runners.spec import LONGTAIL  # noqa: E402
 from rft_jax.models import cpu_attention  # noqa: E402
 from rft_jax.sampling import generate  # noqa: E402
-from speed.longtail_calls import load_work  # noqa: E402
+from speed.longtail_calls import add_work_arguments, load_work  # noqa: E402
 
 KINDS = (("products", ("dot", "ynn_fusion")), ("attention", ("ffi_call",)),
          ("cache writes", ("wrapped_scatter",)))
@@ -44,9 +43,7 @@ def kind_of(name: str) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="large", choices=("small", "large"))
-  parser.add_argument("--work", default="longtail_128", choices=sorted(LONGTAIL))
-  parser.add_argument("--decode-slots", type=int, default=64)
+  add_work_arguments(parser)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   cpu_attention.build()
