@@ -1,6 +1,7 @@
 """Test-wide settings. The fake device count is set here, once, before JAX loads."""
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -93,3 +94,61 @@ def pytest_collection_modifyitems(items):
 def pytest_sessionfinish(session):
   if not hasattr(session.config, "workerinput"):  # the controller, once the workers are done
     shutil.rmtree(os.environ["RFT_JAX_TESTS_TMP"], ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs on an accelerator (benchmarks/accelerator/gpu.sh tests: JAX_PLATFORMS=cuda, one device).
+
+ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
+# What a test that needs the CPU suite's 8 fake devices raises where fewer are available:
+# make_mesh's and rft-jax plan's one-line errors.
+_TOO_FEW_DEVICES = re.compile(r"make_mesh: data=\d+ x model=\d+ = (\d+) devices, but (\d+) are "
+                              r"available|topology 'cpu:(\d+)': only (\d+) CPU devices")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Off CPU, a test whose mesh needs more devices than the accelerator run has is reported
+  skipped, with the reason (``-rs`` prints it), not failed: the CPU suite runs it on its fake
+  mesh. Only those two errors are turned into skips; every other failure stays one."""
+  outcome = yield
+  report = outcome.get_result()
+  if ON_CPU or call.excinfo is None or report.outcome != "failed":
+    return
+  match = _TOO_FEW_DEVICES.search(str(call.excinfo.value))
+  if match:
+    need, have = [g for g in match.groups() if g is not None]
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0,
+                       f"needs {need} devices, this {os.environ['JAX_PLATFORMS']} run has "
+                       f"{have} (the CPU suite runs it on 8 fake devices)")
+
+
+class OutcomeLog:
+  """One line per test, written and flushed as each test ends (``RFT_JAX_TEST_OUTCOMES``: the
+  file), so a run cut short (a device call's time limit) still names every test it finished:
+  ``PASSED|FAILED|SKIPPED|ERROR nodeid seconds [first line of the reason]``."""
+
+  def __init__(self, path: str):
+    self.file = open(path, "a", buffering=1)
+
+  def pytest_runtest_logreport(self, report):
+    failed_outside_call = report.when != "call" and report.outcome == "failed"
+    if report.when != "call" and not failed_outside_call and report.outcome != "skipped":
+      return
+    word = {"passed": "PASSED", "skipped": "SKIPPED"}.get(report.outcome, "FAILED")
+    if failed_outside_call:
+      word = "ERROR"
+    reason = ""
+    if report.outcome != "passed":
+      text = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+              else getattr(report.longrepr, "reprcrash", None) and report.longrepr.reprcrash.message
+              or str(report.longrepr))
+      reason = " " + (str(text).strip().splitlines() or [""])[0][:300]
+    self.file.write(f"{word} {report.nodeid} {report.duration:.2f}s{reason}\n")
+
+
+def pytest_configure(config):
+  path = os.environ.get("RFT_JAX_TEST_OUTCOMES")
+  if path and not hasattr(config, "workerinput"):  # the controller, which sees every report
+    config.pluginmanager.register(OutcomeLog(path), "rft_jax_outcome_log")

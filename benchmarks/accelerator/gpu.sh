@@ -15,8 +15,9 @@
 #             real Pallas GPU kernel beside XLA's gather), the kernel against the live bytes
 #             (benchmarks/accelerator/paged_attention.py), and long-tailed rollouts, static
 #             against continuous against paged (benchmarks/accelerator/longtail_sampler.py);
-#   tests     the single-device tests, run on the GPU (tests of the 8-device fake CPU mesh, of
-#             multi-host and the slow end-to-end ones are deselected).
+#   tests     every test file whose maths runs on the device ($gpu_test_files), on the GPU, in
+#             at most $TESTS_TIMEOUT seconds (default 300); each test's outcome is written to
+#             $OUT/test_outcomes.txt as it ends.
 # Each command stops after $SECTION_TIMEOUT seconds (default 600).  Logs go to $OUT (or runs/gpu).
 # Usage:  bash benchmarks/accelerator/gpu.sh [section ...]
 #         (default: roofline profile mfu graphs memory learner tests)
@@ -29,6 +30,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
 log() { tee "$out/$1.txt" | grep -v Warning; }
 run() { timeout "${SECTION_TIMEOUT:-600}" "$@"; }
+# The test files of `tests` (slowest first, as tests/conftest.py orders them for the CPU suite).
+gpu_test_files=(
+  tests/test_learner.py tests/test_learner_token_batches.py tests/test_sampling.py tests/test_attention.py
+  tests/test_sampling_continuous.py tests/test_sampling_paged.py tests/test_sampling_parts.py
+  tests/test_sampling_chunks.py tests/test_paged_kv.py
+  tests/test_attention_kernels.py tests/test_models_forward.py
+  tests/test_models_cache.py tests/test_models_hf_io.py tests/test_lora.py tests/test_gspo.py
+  tests/test_rollout_correction.py tests/test_token_stats.py tests/test_entropy_theory.py
+  tests/test_entropy_methods.py tests/test_entropy_target.py tests/test_rl_losses.py
+  tests/test_clipping.py tests/test_cov_methods.py tests/test_token_methods.py tests/test_critic.py
+  tests/test_gae.py tests/test_forking_tokens.py tests/test_reference_policy.py
+  tests/test_unlikeliness.py tests/test_device_rollouts.py)
 graphs=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 sections=("$@")
 [ ${#sections[@]} -gt 0 ] || sections=(roofline profile mfu graphs memory learner tests)
@@ -61,13 +74,15 @@ for section in "${sections[@]}"; do
         --max-new 1024 --rounds 1 --settings static continuous:64 paged:64:2048 \
         paged:64:2048:xla 2>&1 | log longtail_paged_0.5b ;;
     tests)
-      # four workers share the GPU, each allocating on demand (compilation is the cost)
-      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false run python3 -m pytest -n 4 --dist loadfile \
-        -q -p no:cacheprovider -rf --tb=line -m "not slow" \
-        -k "not mesh and not sharded and not multihost" \
-        tests/test_token_stats.py tests/test_entropy_theory.py tests/test_rl_losses.py tests/test_clipping.py \
-        tests/test_models_forward.py tests/test_models_cache.py tests/test_models_hf_io.py \
-        tests/test_sampling.py tests/test_sampling_parts.py tests/test_learner.py 2>&1 | log pytest_gpu ;;
+      # Every test file whose maths runs on the device, one worker per two cores sharing the GPU,
+      # each allocating on demand (compilation is most of the time). Each test's outcome is in
+      # $out/test_outcomes.txt as soon as it ends (tests/conftest.py's OutcomeLog), so a run cut
+      # short still names what failed; a test needing the CPU suite's 8 fake devices is skipped
+      # with that reason (-rs prints it).
+      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        RFT_JAX_TEST_OUTCOMES="$out/test_outcomes.txt" timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest \
+        -n "${TEST_WORKERS:-8}" --dist loadfile -q -p no:cacheprovider -rfEs --tb=line \
+        "${gpu_test_files[@]}" 2>&1 | log pytest_gpu ;;
     *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, paged, tests)"
        exit 2 ;;
   esac
