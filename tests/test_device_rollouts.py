@@ -111,3 +111,19 @@ def test_a_learner_step_on_the_device_batch_equals_one_on_host_arrays(setup, mon
     assert all(len(shape) <= 1 and (not shape or shape[0] <= arrays["input_ids"].shape[1]) for shape in reads)
   for key, value in metrics[False].items():
     np.testing.assert_allclose(metrics[True][key], value, rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_learner_widths_round_to_a_share_of_the_width():
+  """A step's learner width follows its longest prompt; at the paper's 7,168 completion tokens
+  prompts of 100-600 tokens make 5 widths (one learner program each), not 32, at most 1/32 of
+  padding columns; short batches keep multiples of 16."""
+  from rft_jax.train.step_rollouts import width_multiple
+
+  assert [width_multiple(w) for w in (45, 600, 1100, 2048, 7268, 7768)] == [16, 16, 32, 64, 128, 128]
+  widths = {-(-(7168 + p) // width_multiple(7168 + p)) * width_multiple(7168 + p)
+            for p in range(100, 601)}
+  assert len(widths) == 5
+  for p in range(1, 3000, 7):
+    used = 1024 + p
+    padded = -(-used // width_multiple(used)) * width_multiple(used)
+    assert padded - used < max(16, used / 32)

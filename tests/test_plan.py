@@ -104,6 +104,28 @@ def test_plan_counts_a_bfloat16_kl_reference_at_half_the_parameter_bytes(tmp_pat
   assert report["reference_bytes"] == report["parameter_bytes"] // 2
 
 
+def test_plan_counts_float32_moments_of_bfloat16_parameters(tmp_path):
+  """model.param_dtype=bfloat16: AdamW's moments are bfloat16 under learner.optim.moment_dtype=auto
+  (2 x the parameters' bytes) and float32 under float32 (4 x), in the plan's optimizer bytes and in
+  what stays resident beside the sampler."""
+  from rft_jax.plan.devices import topology
+  from rft_jax.plan.fit import plan
+  from rft_jax.train.config import load_config
+
+  config, _ = _setup(tmp_path)
+  reports = {}
+  for moments in ("auto", "float32"):
+    cfg = load_config(config, ["model.param_dtype=bfloat16", "model.dtype=bfloat16",
+                               f"learner.optim.moment_dtype={moments}"], required=())
+    reports[moments] = plan(cfg, topology("cpu:1"), sampler=False)["learner"]
+  auto, float32 = reports["auto"], reports["float32"]
+  assert auto["parameter_bytes"] == float32["parameter_bytes"] == auto["trainable_parameters"] * 2
+  assert 0 <= auto["optimizer_state_bytes"] - 2 * auto["parameter_bytes"] <= 16  # step counters
+  assert 0 <= float32["optimizer_state_bytes"] - 4 * float32["parameter_bytes"] <= 16
+  assert float32["optimizer_state_bytes"] > auto["optimizer_state_bytes"]
+  assert float32["argument_bytes"] > auto["argument_bytes"]  # the compiled step takes them
+
+
 def test_plan_counts_ppos_critic_beside_the_policy(tmp_path, capsys):
   """learner.advantage=gae (PPO) trains a critic: its parameters (the policy's decoder, no
   unembedding, and a scalar head) and AdamW moments stay resident beside the learner step and

@@ -23,6 +23,11 @@ entering sample. With pages (2026-11-27): 368 kernels a decode step against the 
 with its wrapper's query padding, exponential and convert. Admission (62 kernels, 48 of them the
 copies of the entering samples' partial prompt pages) runs in its own loop body, only when a
 slot can take a waiting sample; run at every step, as before, it made the step 427 kernels.
+Those are XLA's decode step (``--decode-kernels xla``). The fused step (``auto``, the default
+on one GPU: five Pallas kernels a layer, ``rft_jax.models.fused_decode``) is 150 kernels a
+step with continuous batching and 143 in the static loop at 0.5B, batch 64, on h200:1
+(2026-11-28; 170 at 1.5B): 120 of them the layers' kernels, the rest the embedding, the slot
+mask, the final norm and logits, the sampling and the pool's bookkeeping.
 """
 
 from __future__ import annotations
@@ -79,10 +84,14 @@ def main() -> None:
                       help="continuous batching on this many pages of 16 tokens per data shard "
                            "(the paper's configs), one decode slot a row")
   parser.add_argument("--paged-attention", default="auto", help="SamplingParams.paged_attention")
+  parser.add_argument("--decode-kernels", default="auto",
+                      help="QwenConfig.decode_kernels: auto (fused on one GPU where the kernels "
+                           "take the shapes), xla, fused")
   args = parser.parse_args()
   topo = topology(args.topology)
   mesh = make_mesh(data=args.data, model=1, devices=topo.devices[:args.data])
-  config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype))
+  config = PRESETS[args.preset](dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype),
+                                decode_kernels=args.decode_kernels)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
   b, p = args.batch, args.prompt
@@ -97,7 +106,8 @@ def main() -> None:
   compiled = compile_sampler_call(mesh, graphdef, state, spec, b, p)
   memory = compiled.memory_analysis()
   print(f"{args.topology} ({topo.devices[0].device_kind}) x {args.data}, preset {args.preset}, "
-        f"batch {b}, prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters: "
+        f"batch {b}, prompt {p}, {args.new_tokens} new tokens, {args.param_dtype} parameters, "
+        f"decode kernels {args.decode_kernels}: "
         f"compiled in {time.perf_counter() - start:.0f} s; arguments "
         f"{memory.argument_size_in_bytes / 2 ** 30:.2f} GiB, temporaries "
         f"{memory.temp_size_in_bytes / 2 ** 30:.2f} GiB per device")

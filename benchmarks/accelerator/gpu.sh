@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU figures and checks (for a CUDA machine where rft_jax and its dependencies import), by section:
-#   roofline  the sampler's decode step at 0.5B and 1.5B against the memory bound, and
+#   roofline  the sampler's decode step at 0.5B and 1.5B against the memory bound (the fused
+#             step and XLA's, model.decode_kernels), and
 #             transformers' generate (benchmarks/speed/sampler.py --roofline --transformers);
 #   graphs    the same at 0.5B with XLA's command buffers (CUDA graphs) over while loops too;
 #   profile   where a 0.5B decode step's time goes, by kernel
@@ -15,6 +16,9 @@
 #             real Pallas GPU kernel beside XLA's gather), the kernel against the live bytes
 #             (benchmarks/accelerator/paged_attention.py), and long-tailed rollouts, static
 #             against continuous against paged (benchmarks/accelerator/longtail_sampler.py);
+#   peers     long-tailed rollouts against transformers' generate_batch and static cache + compile
+#             at 0.5B and 1.5B, 16 x 8 and 64 x 8 rows (benchmarks/accelerator/longtail_peers.py;
+#             $PEERS_PRESETS and $PEERS_PROMPTS pick fewer);
 #   tests     every test file whose maths runs on the device ($gpu_test_files), on the GPU, in
 #             at most $TESTS_TIMEOUT seconds (default 300); each test's outcome is written to
 #             $OUT/test_outcomes.txt as it ends.
@@ -34,7 +38,8 @@ run() { timeout "${SECTION_TIMEOUT:-600}" "$@"; }
 gpu_test_files=(
   tests/test_learner.py tests/test_learner_token_batches.py tests/test_sampling.py tests/test_attention.py
   tests/test_sampling_continuous.py tests/test_sampling_paged.py tests/test_sampling_parts.py
-  tests/test_sampling_chunks.py tests/test_paged_kv.py
+  tests/test_sampling_chunks.py tests/test_paged_kv.py tests/test_fused_decode.py
+  tests/test_decode_attention.py tests/test_decode_projections.py
   tests/test_attention_kernels.py tests/test_models_forward.py
   tests/test_models_cache.py tests/test_models_hf_io.py tests/test_lora.py tests/test_gspo.py
   tests/test_rollout_correction.py tests/test_token_stats.py tests/test_entropy_theory.py
@@ -50,12 +55,12 @@ for section in "${sections[@]}"; do
     roofline)
       for preset in 0.5b 1.5b; do
         run python3 benchmarks/speed/sampler.py --roofline --preset $preset --batches 64 256 \
-          --transformers --repeats 3 2>&1 | log roofline_$preset
+          --decode-kernels fused xla --transformers --repeats 3 2>&1 | log roofline_$preset
       done ;;
     graphs)
       XLA_FLAGS="$graphs --xla_gpu_graph_min_graph_size=1 ${XLA_FLAGS:-}" run python3 \
         benchmarks/speed/sampler.py --roofline --preset 0.5b --batches 64 256 \
-        --repeats 3 2>&1 | log graphs_0.5b ;;
+        --decode-kernels fused xla --repeats 3 2>&1 | log graphs_0.5b ;;
     profile)
       run python3 benchmarks/accelerator/decode_profile.py --preset 0.5b --batch 64 2>&1 | log decode_profile ;;
     mfu)
@@ -73,6 +78,15 @@ for section in "${sections[@]}"; do
       run python3 benchmarks/accelerator/longtail_sampler.py --preset 0.5b --prompts 16 --n 8 \
         --max-new 1024 --rounds 1 --settings static continuous:64 paged:64:2048 \
         paged:64:2048:xla 2>&1 | log longtail_paged_0.5b ;;
+    peers)
+      for preset in ${PEERS_PRESETS:-0.5b 1.5b}; do
+        for prompts in ${PEERS_PROMPTS:-16 64}; do
+          run python3 benchmarks/accelerator/longtail_peers.py --preset $preset --prompts $prompts \
+            --n 8 --max-new 1024 --rounds 2 --timeout 300 --budget $((${SECTION_TIMEOUT:-600} - 30)) \
+            --log-dir "$out/longtail_peers_${preset}_$((prompts * 8))" 2>&1 \
+            | log longtail_peers_${preset}_$((prompts * 8))
+        done
+      done ;;
     tests)
       # Every test file whose maths runs on the device, one worker per two cores sharing the GPU,
       # each allocating on demand (compilation is most of the time). Each test's outcome is in
@@ -83,7 +97,7 @@ for section in "${sections[@]}"; do
         RFT_JAX_TEST_OUTCOMES="$out/test_outcomes.txt" timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest \
         -n "${TEST_WORKERS:-8}" --dist loadfile -q -p no:cacheprovider -rfEs --tb=line \
         "${gpu_test_files[@]}" 2>&1 | log pytest_gpu ;;
-    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, paged, tests)"
+    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, paged, peers, tests)"
        exit 2 ;;
   esac
 done

@@ -280,7 +280,7 @@ def roofline(args) -> None:
         f"prompt {args.prompt} tokens, {args.new_tokens} new tokens, bfloat16, memory "
         f"{bandwidth / 1e9:.0f} GB/s ({'measured: a copy, read + write' if measured else 'given'})",
         flush=True)
-  model = None
+  models = {}  # decode_kernels -> a random model of the preset (the same weights)
   for batch in args.batches:
     b = decode_bytes(config, batch, args.prompt, args.new_tokens)
     useful = b["weights"] + b["kv_useful"]
@@ -291,16 +291,18 @@ def roofline(args) -> None:
           f"(read)", flush=True)
     if args.dry_run:
       continue
-    if model is None:
-      model = Qwen(config, rngs=nnx.Rngs(0))
+    for kind in args.decode_kernels:
+      if kind not in models:
+        models[kind] = Qwen(config.replace(decode_kernels=kind), rngs=nnx.Rngs(0))
     prompts = make_prompts(batch, config.vocab_size, args.prompt, args.prompt)
 
-    def rft_jax(m):
+    def rft_jax(model, m):
       params = SamplingParams(temperature=1.0, max_new_tokens=m)
       return _best_seconds(lambda seed: generate(model, prompts, params, seed=seed), args.repeats)
 
     contenders = {
-        "rft_jax": lambda: (rft_jax(args.new_tokens) - rft_jax(1)) / (args.new_tokens - 1)}
+        f"rft_jax {kind}": lambda model=model: (rft_jax(model, args.new_tokens) - rft_jax(model, 1))
+        / (args.new_tokens - 1) for kind, model in models.items()}
     if args.transformers:
       contenders["transformers generate"] = lambda: _transformers_step(
           config, prompts, args.new_tokens, args.repeats)
@@ -366,6 +368,8 @@ def main() -> None:
   parser.add_argument("--transformers", action="store_true",
                       help="also time transformers' generate on the GPU (torch with CUDA)")
   parser.add_argument("--dry-run", action="store_true", help="roofline bytes only, no run")
+  parser.add_argument("--decode-kernels", nargs="+", default=["auto"],
+                      help="QwenConfig.decode_kernels of each rft_jax contender (auto, xla, fused)")
   parser.add_argument("--segments", type=int, nargs="+",
                       help="time the first call and throughput for these cache_segments values instead")
   args = parser.parse_args()

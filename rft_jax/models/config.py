@@ -23,6 +23,8 @@ QWEN_BOS = 151643  # <|endoftext|>
 QWEN_EOS = 151645  # <|im_end|>
 # Implementations of the causal self-attention (rft_jax.models.attention.causal_self_attention).
 ATTENTION_KINDS = ("auto", "blockwise", "cudnn", "splash", "reference")
+# Implementations of the sampler's decode step on an accelerator (rft_jax.models.fused_decode).
+DECODE_KERNEL_KINDS = ("auto", "xla", "fused", "fused_interpret")
 # Dtypes a config names (model.dtype, model.param_dtype, learner.ref_dtype).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -54,6 +56,11 @@ class QwenConfig:
     attention: the causal self-attention implementation of the full forward and the prefill
       (:data:`ATTENTION_KINDS`; ``auto`` chooses by backend, see
       :func:`rft_jax.models.attention.attention_kind`).
+    decode_kernels: the sampler's decode step on an accelerator (:data:`DECODE_KERNEL_KINDS`):
+      ``auto`` (five Pallas kernels a layer on one GPU where they take the shapes, else XLA's),
+      ``xla``, ``fused`` (:mod:`rft_jax.models.fused_decode`), or ``fused_interpret`` (the same
+      kernels in Pallas' interpret mode, on any backend: for tests). CPUs decode feature-major
+      (:mod:`rft_jax.models.feature_major`) whatever this says.
     lora: LoRA adapters on the projections (:class:`~rft_jax.models.lora.LoraConfig`); None:
       none. Not part of the architecture: ``config.json`` never holds it (an export merges the
       adapters, :mod:`rft_jax.models.lora_model`).
@@ -80,6 +87,7 @@ class QwenConfig:
   param_dtype: Any = jnp.float32
   remat: bool = False
   attention: str = "auto"
+  decode_kernels: str = "auto"
   lora: LoraConfig | None = None
 
   def __post_init__(self):
@@ -103,6 +111,9 @@ class QwenConfig:
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
     if self.attention not in ATTENTION_KINDS:
       raise ValueError(f"QwenConfig: attention={self.attention!r} is not one of {ATTENTION_KINDS}")
+    if self.decode_kernels not in DECODE_KERNEL_KINDS:
+      raise ValueError(f"QwenConfig: decode_kernels={self.decode_kernels!r} is not one of "
+                       f"{DECODE_KERNEL_KINDS}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
           f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -142,7 +153,7 @@ class QwenConfig:
 
     Args:
       d: the dict.
-      **runtime: ``dtype``, ``param_dtype``, ``remat``, ``attention``.
+      **runtime: ``dtype``, ``param_dtype``, ``remat``, ``attention``, ``decode_kernels``.
 
     Raises:
       CheckpointError: not a JSON object, a missing or mistyped size, or an unsupported

@@ -40,7 +40,8 @@ def _listing(names: list[str], limit: int = 20) -> str:
 
 
 def read_config(path: str | Path, **runtime) -> QwenConfig:
-  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat, attention.
+  """``QwenConfig`` from ``path/config.json``; ``runtime``: dtype, param_dtype, remat, attention,
+  decode_kernels.
 
   Raises:
     CheckpointError: no ``config.json``, or one that is not UTF-8 JSON or not a supported Qwen
@@ -105,7 +106,7 @@ def _set_row(sharding) -> Any:
 
 def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
             mesh: Mesh | None = None, rules: Rules | None = None, remat: bool = False,
-            attention: str = "auto") -> Qwen:
+            attention: str = "auto", decode_kernels: str = "auto") -> Qwen:
   """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face checkpoint directory.
 
   Args:
@@ -115,6 +116,7 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
     rules: logical-axis rules (default :data:`rft_jax.parallel.DEFAULT_RULES`).
     remat: rematerialise each layer in the backward pass.
     attention: the causal self-attention implementation (``QwenConfig.attention``).
+    decode_kernels: the sampler's accelerator decode step (``QwenConfig.decode_kernels``).
 
   Raises:
     CheckpointError: no config / no weights, unsupported config, missing or unexpected tensor
@@ -122,7 +124,7 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
   """
   path = Path(path)
   config = read_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                       attention=attention)
+                       attention=attention, decode_kernels=decode_kernels)
   files = safetensors_io.weight_map(path)
   expected = hf_keys.expected_tensors(config)
   _check_names_and_shapes(path, config, files, expected)

@@ -88,7 +88,7 @@ def model_config(cfg: TrainConfig) -> QwenConfig:
   """The run's architecture and runtime options, from ``model.path/config.json`` alone."""
   config = read_config(cfg.model.path, dtype=DTYPES[cfg.model.dtype],
                        param_dtype=DTYPES[cfg.model.param_dtype], remat=cfg.model.remat,
-                       attention=cfg.model.attention)
+                       attention=cfg.model.attention, decode_kernels=cfg.model.decode_kernels)
   return config.replace(lora=cfg.model.lora)
 
 

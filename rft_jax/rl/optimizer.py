@@ -1,6 +1,7 @@
 """The optimizer of the learner and of the critic: one config (:class:`OptimizerConfig`, nested as
 ``learner.optim`` and ``critic.optim``), AdamW with a learning-rate schedule and global-norm
-clipping (optax), and the layout of its state on a mesh."""
+clipping (optax), its moments in the parameters' dtype or in float32, and the layout of its state
+on a mesh."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rft_jax.rl.checks import choice, finite_numbers, positive
 
 SCHEDULES = ("constant", "warmup_cosine")
+MOMENT_DTYPES = ("auto", "float32")
 
 
 @dataclasses.dataclass
@@ -33,6 +36,11 @@ class OptimizerConfig:
     adam_eps: Adam's epsilon (a larger one stops Adam from moving parameters whose gradients are
       only noise by a full step of size lr).
     max_grad_norm: global-norm gradient clipping (None: off).
+    moment_dtype: the dtype of Adam's two moments: ``auto``, the parameters' (float32
+      parameters: float32 moments; ``model.param_dtype: bfloat16``: bfloat16 moments, half the
+      optimizer's bytes, but a second moment of 8 significant bits), or ``float32`` (with
+      bfloat16 parameters: float32 moments, the update computed in float32 and rounded to
+      bfloat16 only when added to the parameters; twice ``auto``'s optimizer bytes).
   """
 
   lr: float = 1e-6
@@ -44,6 +52,7 @@ class OptimizerConfig:
   b2: float = 0.999
   adam_eps: float = 1e-8
   max_grad_norm: Optional[float] = 1.0
+  moment_dtype: str = "auto"
 
   def check(self, prefix: str) -> None:
     """Raises ``ValueError`` naming ``prefix.<field>`` for a value out of its range."""
@@ -51,6 +60,7 @@ class OptimizerConfig:
       raise ValueError(f"{prefix}.lr must be a finite number in (0, 1], got {self.lr!r}")
     finite_numbers(prefix, self)
     choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+    choice(f"{prefix}.moment_dtype", self.moment_dtype, MOMENT_DTYPES)
     positive(f"{prefix}.adam_eps", self.adam_eps)
     for name in ("warmup_steps", "weight_decay"):
       positive(f"{prefix}.{name}", getattr(self, name), allow_zero=True)
@@ -70,7 +80,8 @@ def optimizer_config(value, prefix: str) -> OptimizerConfig:
 
 
 def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW (betas b1, b2, epsilon, decoupled weight decay) with optional global-norm clipping."""
+  """AdamW (betas b1, b2, epsilon, decoupled weight decay) with optional global-norm clipping;
+  its moments in ``config.moment_dtype`` (:func:`moments_in`)."""
   if config.schedule == "constant":
     schedule = optax.constant_schedule(config.lr)
   elif config.total_steps is None:
@@ -79,11 +90,29 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
   else:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.lr, max(config.warmup_steps, 1), max(config.total_steps, config.warmup_steps + 1))
+  mu_dtype = None if config.moment_dtype == "auto" else jnp.dtype(config.moment_dtype)
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.adam_eps,
-                      weight_decay=config.weight_decay)
+                      weight_decay=config.weight_decay, mu_dtype=mu_dtype)
+  if mu_dtype is not None:
+    adamw = moments_in(adamw, mu_dtype)
   if config.max_grad_norm is None:
     return adamw, schedule
   return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw), schedule
+
+
+def moments_in(transform: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """``transform`` (optax's AdamW) computed in ``dtype``: its ``init`` sees the parameters cast to
+  ``dtype`` (only their shapes and dtypes are read; the cast is dead code), so the parameter-shaped
+  leaves of its state are created in ``dtype`` (Adam's first moment then keeps ``mu_dtype``, its
+  second the dtype it was created in: optax casts the updated one like the old); its ``update``
+  takes the gradients cast to ``dtype`` (else the new gradient's share of each moment,
+  ``(1 - b) g`` and ``(1 - b) g^2``, would be rounded to bfloat16 before the float32 sum). The
+  updates are then in ``dtype``, and ``optax.apply_updates`` adds them to the parameters in it and
+  rounds the sum to the parameters' dtype."""
+  return optax.GradientTransformation(
+      lambda params: transform.init(optax.tree.cast(params, dtype)),
+      lambda updates, state, params=None: transform.update(optax.tree.cast(updates, dtype), state,
+                                                           params))
 
 
 def optimizer_shardings(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh):

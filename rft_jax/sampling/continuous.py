@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import cpu_attention, feature_major
+from rft_jax.models import cpu_attention, feature_major, fused_decode
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import resolve_kind
 from rft_jax.parallel import Rules
@@ -222,6 +222,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   prompt_cache = constrain(prompt_cache, axes, mesh, rules)
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   step_layers = layers if platform == "gpu" else None  # see loop.py: GPUs slice layers once
+  kernels = fused_decode.decode_kernels_kind(model.config, platform, loop.devices_of(mesh),
+                                             spec.slots[0])
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
@@ -288,7 +290,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
                                                 live=s.running)  # stopped slots skip attention
       vocab_axis = 0
     else:
-      logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
+      logits, cache = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
       vocab_axis = 1
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     if spec.kv_pages is None:

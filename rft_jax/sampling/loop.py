@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import cpu_attention, feature_major
+from rft_jax.models import cpu_attention, feature_major, fused_decode
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import TP_RULES, Rules, state_shardings, tree_shardings
 from rft_jax.sampling.keys import completion_keys, step_uniforms
@@ -206,6 +206,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   # GPUs slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse
   # the slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
+  # One GPU decodes with five Pallas kernels a layer where they take the shapes
+  # (QwenConfig.decode_kernels, rft_jax.models.fused_decode).
+  kernels = fused_decode.decode_kernels_kind(model.config, platform, devices_of(mesh), b * n)
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
@@ -237,7 +240,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
                                                 live=~s.done)  # done rows skip attention
       vocab_axis = 0
     else:
-      logits, cache = model.decode_step(s.last_tokens, s.cache, layers=step_layers)
+      logits, cache = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
       vocab_axis = 1
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
@@ -315,6 +318,11 @@ def cpu_attention_for(cache: KVCache, mesh: Mesh | None):
 def platform_of(mesh: Mesh | None) -> str:
   """``cpu``, ``gpu`` or ``tpu``: the platform of ``mesh``'s devices (else the default ones)."""
   return _first_device(mesh).platform
+
+
+def devices_of(mesh: Mesh | None) -> int:
+  """How many devices ``mesh`` has (one without a mesh: the default device)."""
+  return 1 if mesh is None else mesh.devices.size
 
 
 def device_kind_of(mesh: Mesh | None) -> str:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rft_jax.data.config import DataConfig
-from rft_jax.models.config import ATTENTION_KINDS
+from rft_jax.models.config import ATTENTION_KINDS, DECODE_KERNEL_KINDS
 from rft_jax.models.lora import LoraConfig
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
@@ -53,6 +53,9 @@ class ModelConfig:
       ``auto`` (splash kernel on TPU, cuDNN flash attention on GPU with 16-bit activations,
       else ``blockwise``), or one of ``blockwise``, ``cudnn``, ``splash``, ``reference`` (the
       materialised ``[B, N, T, T]`` einsum, for checks).
+    decode_kernels: the sampler's decode step on an accelerator: ``auto`` (five Pallas kernels
+      a layer on one GPU where they take the shapes, else XLA's), ``xla``, ``fused``, or
+      ``fused_interpret`` (Pallas' interpret mode; for tests) (``QwenConfig.decode_kernels``).
     ref_path: the reference policy of the KL term (``learner.kl_coef > 0``), another HF
       directory of the same architecture; empty: the starting weights (``path``).
     critic_path: the decoder PPO's critic starts from (``learner.advantage: gae``), an HF
@@ -69,6 +72,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   attention: str = "auto"
+  decode_kernels: str = "auto"
   ref_path: str = ""
   critic_path: str = ""
   lora: Optional[LoraConfig] = None
@@ -76,6 +80,9 @@ class ModelConfig:
   def __post_init__(self):
     if self.attention not in ATTENTION_KINDS:
       raise ConfigError(f"model.attention={self.attention!r} is not one of {list(ATTENTION_KINDS)}")
+    if self.decode_kernels not in DECODE_KERNEL_KINDS:
+      raise ConfigError(f"model.decode_kernels={self.decode_kernels!r} is not one of "
+                        f"{list(DECODE_KERNEL_KINDS)}")
 
 
 @dataclasses.dataclass

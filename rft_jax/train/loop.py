@@ -88,7 +88,8 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
 
   def load(path):
     return load_hf(path, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
-                   mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention)
+                   mesh=mesh, remat=cfg.model.remat, attention=cfg.model.attention,
+                   decode_kernels=cfg.model.decode_kernels)
 
   policy = load_policy(cfg, load=load)
   model, tokenizer = policy.model, policy.tokenizer
