@@ -19,14 +19,22 @@
 #   peers     long-tailed rollouts against transformers' generate_batch and static cache + compile
 #             at 0.5B and 1.5B, 16 x 8 and 64 x 8 rows (benchmarks/accelerator/longtail_peers.py;
 #             $PEERS_PRESETS and $PEERS_PROMPTS pick fewer);
+#   kernels   the fused decode step's Pallas kernels, compiled for the GPU, against the XLA path
+#             (tests/test_decode_attention.py, test_decode_projections.py, test_fused_decode.py);
+#   decode    the decode step at batch 64, the fused step against XLA's ($DECODE_PRESETS, default
+#             0.5b 1.5b; benchmarks/speed/sampler.py --roofline --decode-kernels fused xla);
 #   tests     every test file whose maths runs on the device ($gpu_test_files), on the GPU, in
 #             at most $TESTS_TIMEOUT seconds (default 300); each test's outcome is written to
-#             $OUT/test_outcomes.txt as it ends.
+#             $OUT/test_outcomes.txt as it ends;
+#   lease     one device call of about 8 minutes, the first checks of a session lent a GPU:
+#             kernels, decode at 0.5B, tests (at most 270 s), then decode at 1.5B; at most seven
+#             files in $OUT, each written as it goes.
 # Each command stops after $SECTION_TIMEOUT seconds (default 600).  Logs go to $OUT (or runs/gpu).
 # Usage:  bash benchmarks/accelerator/gpu.sh [section ...]
 #         (default: roofline profile mfu graphs memory learner tests)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+self="$(realpath "${BASH_SOURCE[0]}")"
+cd "$(dirname "$self")/../.."
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
@@ -50,6 +58,13 @@ gpu_test_files=(
 graphs=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 sections=("$@")
 [ ${#sections[@]} -gt 0 ] || sections=(roofline profile mfu graphs memory learner tests)
+if [ "${sections[*]}" = lease ]; then
+  # A lent GPU's first call: each part bounded, the most telling first.
+  SECTION_TIMEOUT="${SECTION_TIMEOUT:-120}" TESTS_TIMEOUT="${TESTS_TIMEOUT:-270}" \
+    DECODE_PRESETS=0.5b bash "$self" kernels decode tests
+  SECTION_TIMEOUT=100 DECODE_PRESETS=1.5b bash "$self" decode
+  exit 0
+fi
 for section in "${sections[@]}"; do
   case $section in
     roofline)
@@ -87,6 +102,16 @@ for section in "${sections[@]}"; do
             | log longtail_peers_${preset}_$((prompts * 8))
         done
       done ;;
+    kernels)
+      JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        RFT_JAX_TEST_OUTCOMES="$out/test_outcomes.txt" run python3 -m pytest -n 3 -q \
+        -p no:cacheprovider -rfEs --tb=short tests/test_decode_attention.py \
+        tests/test_decode_projections.py tests/test_fused_decode.py 2>&1 | log pytest_kernels ;;
+    decode)
+      for preset in ${DECODE_PRESETS:-0.5b 1.5b}; do
+        run python3 benchmarks/speed/sampler.py --roofline --preset $preset --batches 64 \
+          --decode-kernels fused xla --repeats 2 2>&1 | log decode_$preset
+      done ;;
     tests)
       # Every test file whose maths runs on the device, one worker per two cores sharing the GPU,
       # each allocating on demand (compilation is most of the time). Each test's outcome is in
@@ -97,7 +122,7 @@ for section in "${sections[@]}"; do
         RFT_JAX_TEST_OUTCOMES="$out/test_outcomes.txt" timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest \
         -n "${TEST_WORKERS:-8}" --dist loadfile -q -p no:cacheprovider -rfEs --tb=line \
         "${gpu_test_files[@]}" 2>&1 | log pytest_gpu ;;
-    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, paged, peers, tests)"
+    *) echo "unknown section $section (roofline, graphs, profile, mfu, memory, learner, paged, peers, kernels, decode, tests, lease)"
        exit 2 ;;
   esac
 done
