@@ -97,7 +97,7 @@ def test_too_few_pages_and_the_static_scheduler_are_refused(model):
                      r"hold the shard's 8 prompts of 32 slots \(64 pages\) and one whole sample "
                      r"\(18 pages\); give at least 82"):
     generate(model, PROMPTS, _paged(STATIC, kv_pages=70, page_size=4), seed=3)
-  with pytest.raises(ValueError, match="kv_pages .* needs scheduler='continuous'"):
+  with pytest.raises(ValueError, match="kv_pages .* needs sampling.scheduler=continuous"):
     dataclasses.replace(STATIC, kv_pages=100)
 
 

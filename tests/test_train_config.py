@@ -1,6 +1,7 @@
 """The config tree: YAML + dotted overrides into dataclasses, with errors naming the key."""
 
 import glob
+import re
 import logging
 import os
 
@@ -160,3 +161,31 @@ def test_an_old_run_directory_with_flat_optimizer_keys_is_compared_by_the_new_ke
   assert config_changes(renamed, cfg) == []
   changed = load_config(None, REQUIRED + ["learner.optim.lr=3e-6"])
   assert config_changes(renamed, changed) == [("learner.optim.lr", 2e-6, 3e-6)]
+
+
+def test_the_sampling_section_is_sampling_params_every_setting_reachable(tmp_path):
+  """``sampling`` is :class:`SamplingParams` itself: every one of its settings is a config key
+  (the pool's stages and the cache segments too), checked once, by SamplingParams, with the
+  error naming the key; the run's stop tokens are the tokenizer's, then the configured ones."""
+  import dataclasses
+
+  from rft_jax.sampling import SamplingParams
+  from rft_jax.train.config import config_keys
+
+  assert type(TrainConfig().sampling) is SamplingParams
+  keys = dict(config_keys())
+  assert {f"sampling.{f.name}" for f in dataclasses.fields(SamplingParams)} <= set(keys)
+  cfg = load_config(None, REQUIRED + ["sampling.pool_stages=3", "sampling.cache_segments=2",
+                                      "sampling.min_segment_tokens=32", "sampling.stop_token_ids=[7,2]"])
+  params = sampling_params(cfg, (2, 5))
+  assert (params.pool_stages, params.cache_segments, params.min_segment_tokens) == (3, 2, 32)
+  assert params.stop_token_ids == (2, 5, 7) and (params.n, params.max_new_tokens) == (16, 1024)
+  for override, message in [("sampling.pool_stages=0", r"sampling\.pool_stages=0 must be >= 1"),
+                            ("sampling.scheduler=eager", r"sampling\.scheduler='eager' is not one of"),
+                            ("sampling.stop_token_ids=[-1]", r"sampling\.stop_token_ids\[0\]=-1")]:
+    with pytest.raises(ConfigError, match=rf"the command line \({re.escape(override)}\): {message}"):
+      load_config(None, REQUIRED + [override])
+  # A run directory's config from before the section was SamplingParams loads as it was.
+  path = write(tmp_path, "sampling:\n  n: 8\n  scheduler: static\n  decode_slots: null\n")
+  assert load_config(path, REQUIRED).sampling == SamplingParams(n=8, max_new_tokens=1024,
+                                                                 scheduler="static")

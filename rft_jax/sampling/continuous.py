@@ -89,11 +89,7 @@ class PoolSpec(DecodeSpec):
 
   Attributes:
     slots: :func:`pool_sizes`, the pool's size at each stage.
-    kv_pages: the paged cache's pages per data shard (:mod:`rft_jax.sampling.paged_shards`:
-      each shard of the mesh's ``data`` axis runs its own pool); None: a cache row of ``P + M``
-      slots per decode slot.
-    page_size: tokens per page.
-    paged_attention: the paged attention's kind (``SamplingParams.paged_attention``).
+    kv_pages, page_size, paged_attention: the call's :class:`SamplingParams` settings.
   """
 
   slots: tuple[int, ...] = ()

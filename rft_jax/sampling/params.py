@@ -1,4 +1,6 @@
-"""What to sample: the per-call settings of :func:`rft_jax.sampling.generate`."""
+"""What to sample: the settings of :func:`rft_jax.sampling.generate`, and the schema of a run
+config's ``sampling`` section (``rft_jax.train.config``): each setting is declared, documented
+and checked here, once; errors name it as ``sampling.<key>``."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class SamplingParams:
     stop_token_ids: tokens that end a completion; the stop token is part of the completion. Pass
       the tokenizer's end-of-sequence ids (e.g. ``<|im_end|>`` and ``<|endoftext|>`` for
       Qwen instruct models): nothing here reads them from the model or tokenizer. Empty: every
-      completion runs to ``max_new_tokens``.
+      completion runs to ``max_new_tokens``. In a run config: stop tokens besides the
+      tokenizer's, which a run always stops at.
     cache_segments: decode in up to this many segments whose KV caches grow (doubling, the
       last one ``max_new_tokens``): a step then reads the slots of its segment, at most about
       twice the live context, instead of every preallocated slot. Each segment is one more
@@ -110,7 +113,7 @@ class SamplingParams:
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
       raise ValueError(
-          f"SamplingParams.stop_token_ids={self.stop_token_ids!r} must be a tuple of token ids")
+          f"sampling.stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
     _check_int("n", self.n, minimum=1)
     _check_int("top_k", self.top_k, minimum=0)
@@ -120,10 +123,10 @@ class SamplingParams:
     _check_int("pool_stages", self.pool_stages, minimum=1)
     _check_int("page_size", self.page_size, minimum=1)
     if self.paged_attention not in PAGED_ATTENTION_KINDS:
-      raise ValueError(f"SamplingParams.paged_attention={self.paged_attention!r} must be one of "
-                       f"{PAGED_ATTENTION_KINDS}")
+      raise ValueError(f"sampling.paged_attention={self.paged_attention!r} is not one of "
+                       f"{list(PAGED_ATTENTION_KINDS)}")
     if self.scheduler not in SCHEDULERS:
-      raise ValueError(f"SamplingParams.scheduler={self.scheduler!r} must be one of {SCHEDULERS}")
+      raise ValueError(f"sampling.scheduler={self.scheduler!r} is not one of {list(SCHEDULERS)}")
     if self.decode_slots is not None:
       _check_int("decode_slots", self.decode_slots, minimum=1)
       object.__setattr__(self, "decode_slots", int(self.decode_slots))
@@ -131,27 +134,31 @@ class SamplingParams:
       _check_int("kv_pages", self.kv_pages, minimum=1)
       object.__setattr__(self, "kv_pages", int(self.kv_pages))
       if self.scheduler != "continuous":
-        raise ValueError("SamplingParams.kv_pages (a paged KV cache) needs scheduler='continuous'")
+        raise ValueError(f"sampling.kv_pages (a paged KV cache) needs sampling.scheduler=continuous, not "
+                         f"{self.scheduler!r}")
     for name in ("n", "top_k", "max_new_tokens", "cache_segments", "min_segment_tokens",
                  "pool_stages", "page_size"):
       object.__setattr__(self, name, int(getattr(self, name)))
     if self.max_rollouts_per_call is not None:
-      if not _is_int(self.max_rollouts_per_call) or self.max_rollouts_per_call < self.n:
+      if not _is_int(self.max_rollouts_per_call):
+        raise ValueError(f"sampling.max_rollouts_per_call={self.max_rollouts_per_call!r} must be "
+                         f"null or an integer")
+      if self.max_rollouts_per_call < self.n:
         raise ValueError(
-            f"SamplingParams.max_rollouts_per_call={self.max_rollouts_per_call!r} must be None or "
-            f"an integer >= n={self.n} (a prompt's n samples run in one call)")
+            f"sampling.max_rollouts_per_call={self.max_rollouts_per_call} is below sampling.n="
+            f"{self.n}: a prompt's n samples run in one sampler call")
       object.__setattr__(self, "max_rollouts_per_call", int(self.max_rollouts_per_call))
     if not _is_real(self.temperature) or not math.isfinite(self.temperature) or (
         self.temperature < 0):
-      raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a finite "
+      raise ValueError(f"sampling.temperature={self.temperature!r} must be a finite "
                        "number >= 0 (0 is greedy)")
     if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-      raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be in (0, 1] (1.0 is off)")
+      raise ValueError(f"sampling.top_p={self.top_p!r} must be in (0, 1] (1.0 is off)")
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "top_p", float(self.top_p))
     for i, token in enumerate(self.stop_token_ids):
       if not _is_int(token) or token < 0:
-        raise ValueError(f"SamplingParams.stop_token_ids[{i}]={token!r} must be a token id >= 0")
+        raise ValueError(f"sampling.stop_token_ids[{i}]={token!r} must be a token id >= 0")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
   @property
@@ -171,5 +178,7 @@ def _is_real(x) -> bool:
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
-  if not _is_int(value) or value < minimum:
-    raise ValueError(f"SamplingParams.{name}={value!r} must be an integer >= {minimum}")
+  if not _is_int(value):
+    raise ValueError(f"sampling.{name}={value!r} must be an integer >= {minimum}")
+  if value < minimum:
+    raise ValueError(f"sampling.{name}={value!r} must be >= {minimum}")

@@ -32,8 +32,7 @@ from rft_jax.models.lora import LoraConfig
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
-from rft_jax.models.paged_kv import PAGED_ATTENTION_KINDS
-from rft_jax.sampling.params import SCHEDULERS
+from rft_jax.sampling.params import SamplingParams
 from rft_jax.train.renamed_keys import rename_keys, renamed_overrides
 
 
@@ -85,42 +84,13 @@ class ModelConfig:
                         f"{list(DECODE_KERNEL_KINDS)}")
 
 
-@dataclasses.dataclass
-class SamplingConfig:
-  """Rollouts: ``n`` completions per prompt at ``temperature`` (0: greedy).
-
-  ``max_rollouts_per_call``: the most rollouts (prompts x ``n``) one compiled sampler call
-  decodes, which bounds its KV cache; a step's prompts then run as several calls with the
-  same completions (``SamplingParams.max_rollouts_per_call``; at least ``n``; None: one call).
-
-  ``scheduler``: ``continuous`` (a pool of ``decode_slots`` decode slots refilled from the
-  step's queue of samples as they stop, shrinking as the queue drains; None: one slot per
-  rollout of a call) or ``static`` (every row decodes until the call's longest ends): the same
-  completions (``SamplingParams.scheduler``, ``decode_slots``).
-
-  ``kv_pages``: continuous batching on a paged KV cache of that many pages of ``page_size``
-  tokens per call and per data shard: each data-parallel group of devices runs its own pool
-  of ``kv_pages`` pages (their kv heads split over ``model``) for its share of the call's
-  prompts, prompts included (memory that follows the live tokens; samples wait, or are
-  evicted and decoded again, when their shard's pages run out; ``rft-jax plan`` prints the
-  pages that fit). None: a full-width cache row per decode slot. Same completions.
-  ``paged_attention``: ``auto`` (jax's Pallas kernel on TPUs and GPUs where it takes the
-  shapes, XLA's gather elsewhere: ``rft_jax.models.paged_kv.resolve_kind``), ``xla``,
-  ``pallas_gpu``, ``pallas_tpu`` or ``pallas_tpu_megacore`` (v4 and v5p chips' two
-  TensorCores; opt-in) (``SamplingParams.paged_attention``).
-  """
-
-  n: int = 16
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  max_new_tokens: int = 1024
-  max_rollouts_per_call: Optional[int] = None
-  scheduler: str = "continuous"
-  decode_slots: Optional[int] = None
-  kv_pages: Optional[int] = None
-  page_size: int = 16
-  paged_attention: str = "auto"
+def rollout_sampling() -> SamplingParams:
+  """The ``sampling`` section's defaults: :class:`~rft_jax.sampling.SamplingParams`, the schema
+  of the section (every key declared, documented and checked there, once), with a run's
+  defaults: 16 completions per prompt, at most 1,024 new tokens. A run's stop tokens are its
+  tokenizer's end-of-sequence ids and then ``sampling.stop_token_ids``
+  (:func:`rft_jax.train.resolve.sampling_params`)."""
+  return SamplingParams(n=16, max_new_tokens=1024)
 
 
 @dataclasses.dataclass
@@ -236,7 +206,7 @@ class TrainConfig:
   steps: int = 100
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
-  sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+  sampling: SamplingParams = dataclasses.field(default_factory=rollout_sampling)
   learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
   rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -281,26 +251,6 @@ class TrainConfig:
       raise ConfigError(f"sampling.n={self.sampling.n}: group advantages need at least 2 samples per prompt")
     if self.sampling.temperature <= 0:
       raise ConfigError("sampling.temperature must be > 0 for RL rollouts (0 is greedy)")
-    if self.sampling.max_rollouts_per_call is not None and (
-        self.sampling.max_rollouts_per_call < self.sampling.n):
-      raise ConfigError(
-          f"sampling.max_rollouts_per_call={self.sampling.max_rollouts_per_call} is below "
-          f"sampling.n={self.sampling.n}: a prompt's n samples run in one sampler call")
-    if self.sampling.scheduler not in SCHEDULERS:
-      raise ConfigError(f"sampling.scheduler={self.sampling.scheduler!r} is not one of {list(SCHEDULERS)}")
-    if self.sampling.decode_slots is not None and self.sampling.decode_slots < 1:
-      raise ConfigError(f"sampling.decode_slots={self.sampling.decode_slots} must be >= 1 (or null: "
-                        "one slot per rollout)")
-    if self.sampling.kv_pages is not None and self.sampling.kv_pages < 1:
-      raise ConfigError(f"sampling.kv_pages={self.sampling.kv_pages} must be >= 1 (or null: no pages)")
-    if self.sampling.kv_pages is not None and self.sampling.scheduler != "continuous":
-      raise ConfigError(f"sampling.kv_pages needs sampling.scheduler=continuous, not "
-                        f"{self.sampling.scheduler!r}")
-    if self.sampling.page_size < 1:
-      raise ConfigError(f"sampling.page_size={self.sampling.page_size} must be >= 1")
-    if self.sampling.paged_attention not in PAGED_ATTENTION_KINDS:
-      raise ConfigError(f"sampling.paged_attention={self.sampling.paged_attention!r} is not one of "
-                        f"{list(PAGED_ATTENTION_KINDS)}")
     if self.learner.temperature is None:
       self.learner.temperature = self.sampling.temperature
     elif self.learner.temperature != self.sampling.temperature:

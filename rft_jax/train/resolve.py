@@ -25,13 +25,10 @@ def mesh_axes(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
 
 
 def sampling_params(cfg: TrainConfig, stop_ids: Sequence[int]) -> SamplingParams:
-  """The rollouts' sampler parameters (``sampling.*``) with the run's stop tokens."""
-  s = cfg.sampling
-  return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                        max_new_tokens=s.max_new_tokens, stop_token_ids=tuple(stop_ids),
-                        max_rollouts_per_call=s.max_rollouts_per_call, scheduler=s.scheduler,
-                        decode_slots=s.decode_slots, kv_pages=s.kv_pages,
-                        page_size=s.page_size, paged_attention=s.paged_attention)
+  """The rollouts' sampler parameters: the ``sampling`` section, its stop tokens after the
+  tokenizer's ``stop_ids`` (each once)."""
+  stops = tuple(dict.fromkeys((*stop_ids, *cfg.sampling.stop_token_ids)))
+  return dataclasses.replace(cfg.sampling, stop_token_ids=stops)
 
 
 def reward_config(cfg: TrainConfig, questions: Sequence[str]) -> RewardConfig:
