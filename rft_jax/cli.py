@@ -110,8 +110,37 @@ def _export(args: argparse.Namespace) -> int:
     raise NonFiniteError(f"step {step} of {args.run_dir} holds NaN or infinite parameters; not exporting")
   dtype = args.dtype or _checkpoint_dtype(cfg.model.path) or cfg.model.param_dtype
   save_hf(model, args.out, tokenizer=load_tokenizer(cfg.model.path), dtype=dtype, source=cfg.model.path)
+  _weights_mode_as_umask(args.out)
   print(f"exported step {step} of {args.run_dir} to {args.out} ({dtype})")
   return 0
+
+
+def _umask() -> int:
+  """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
+  import os
+
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except OSError:
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def _weights_mode_as_umask(directory: str) -> None:
+  """Gives the ``*.safetensors`` files of an HF directory the mode of its other files (0666 less
+  the umask): safetensors' writer creates them 0600, unreadable by the group and others that can
+  read the config and tokenizer beside them."""
+  import os
+
+  mode = 0o666 & ~_umask()
+  for name in os.listdir(directory):
+    if name.endswith(".safetensors"):
+      os.chmod(os.path.join(directory, name), mode)
 
 
 def _sampling_inputs(args: argparse.Namespace):
@@ -133,6 +162,8 @@ def _sampling_inputs(args: argparse.Namespace):
 
   if args.format is not None and args.format not in FORMATS:
     raise ConfigError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
+  _check_sampling_options(args)
+  _check_run_rewards(args.model)  # before the model loads: a reward that cannot import fails at once
   policy = load_policy(args.model, step=args.step, instruction=args.instruction,
                        system_prompt=args.system_prompt)
   cfg = policy.config
@@ -143,6 +174,50 @@ def _sampling_inputs(args: argparse.Namespace):
                   rewards=policy.rewards([p.question for p in problems]), prompt_fn=policy.prompt_ids,
                   config=cfg)
   return policy.model, policy.tokenizer, problems, sampling
+
+
+def _check_sampling_options(args: argparse.Namespace) -> None:
+  """The sampling options of ``eval`` / ``filter`` / ``attribute``, checked before anything loads
+  (a :class:`ConfigError`, exit 2)."""
+  import math
+
+  from rft_jax.train.config import ConfigError
+
+  if args.k < 1:
+    raise ConfigError(f"--k {args.k}: must be >= 1 (samples per question)")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    raise ConfigError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 is greedy)")
+  if args.max_new_tokens is not None and args.max_new_tokens < 1:
+    raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+  if getattr(args, "low", None) is not None and not 0 <= args.low < args.high <= 1:
+    raise ConfigError(f"--low {args.low} --high {args.high}: need 0 <= low < high <= 1")
+  if getattr(args, "problems", 1) < 1:
+    raise ConfigError(f"--problems {args.problems}: must be >= 1")
+  if getattr(args, "lr", None) is not None and not (math.isfinite(args.lr) and args.lr > 0):
+    raise ConfigError(f"--lr {args.lr}: must be a finite number > 0")
+
+
+def _check_run_rewards(model: str) -> None:
+  """A run directory's ``rewards.functions`` import here (else a :class:`ConfigError` with the
+  ``PYTHONPATH`` to set, as at train time): checked before its model loads and samples."""
+  import os
+
+  from rft_jax.train.config import load_config
+  from rft_jax.train.preflight import check_reward_functions
+
+  config = os.path.join(model, "config.yaml")
+  if not (os.path.isdir(os.path.join(model, "checkpoints")) and os.path.isfile(config)):
+    return
+  cfg = load_config(config)
+  # Where the run's own module may be: the run directory's parents (runs/NAME under the project),
+  # the training data's directory.
+  near, parent = [], os.path.abspath(model)
+  for _ in range(3):
+    parent = os.path.dirname(parent)
+    near.append(parent)
+  if cfg.data.train_path:
+    near.append(os.path.dirname(os.path.abspath(cfg.data.train_path)))
+  check_reward_functions(cfg.rewards.functions, f"{config}: rewards.functions", near)
 
 
 def _sample_problems(args: argparse.Namespace, completions: bool = False):
@@ -169,16 +244,23 @@ def _attribute(args: argparse.Namespace) -> int:
     classes = load_function(args.token_classes, "--token-classes") if args.token_classes else character_class
   except ValueError as exc:
     raise ConfigError(str(exc)) from None
+  chosen = None
+  if args.mask is not None:  # checked before anything loads
+    try:
+      chosen = EntropyMaskConfig(kind=args.mask)
+    except ValueError as exc:
+      raise ConfigError(f"--mask {args.mask!r}: {exc}") from None
   model, tokenizer, problems, sampling = _sampling_inputs(args)
   cfg = sampling.pop("config")
   lr = args.lr if args.lr is not None else (cfg.learner.optim.lr if cfg else 1e-6)
-  has_mask = cfg and configured_class(cfg.learner.entropy_mask, removes_tokens=True).chooses_tokens
-  mask = cfg.learner.entropy_mask if has_mask else EntropyMaskConfig(kind="clip_b")
+  # The mask marked: --mask's, else the run's own; none for an HF directory or a run without one.
+  mask = chosen or (cfg.learner.entropy_mask if cfg else EntropyMaskConfig(kind="none"))
   if mask.target_entropy is not None:  # the page marks a fixed cut
     mask = dataclasses.replace(mask, target_entropy=None)
+  method = configured_class(mask, removes_tokens=True)
   completions = attribute(model, tokenizer, problems[:args.problems], k=args.k, temperature=args.temperature,
                           seed=args.seed, lr=lr, mask=mask, token_class=classes, **sampling)
-  name = configured_class(mask, removes_tokens=True).title
+  name = method.title if method.chooses_tokens else None
   with open(args.out, "w") as f:
     f.write(attribution_html([(f"{args.model}: {args.problems} problems x {args.k} samples", completions)], name))
   print(args.out)
@@ -205,16 +287,26 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-  from rft_jax.analysis.plots import plot_runs
+  import os
 
+  from rft_jax.analysis.plots import plot_runs
+  from rft_jax.train.config import ConfigError
+
+  for run_dir in args.run_dirs:
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+      raise ConfigError(f"{run_dir}: no metrics.jsonl there (not a run directory, or no step done yet)")
   print(plot_runs(args.run_dirs, args.out))
   return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
   from rft_jax.demo.run import run_demo, split_variants
+  from rft_jax.train.config import ConfigError
 
-  variants, overrides = split_variants(args.overrides)
+  try:
+    variants, overrides = split_variants(args.overrides)
+  except ValueError as exc:  # an unknown variant: invalid input, exit 2
+    raise ConfigError(str(exc)) from None
   run_demo(args.config, overrides, variants)
   return 0
 
@@ -267,6 +359,7 @@ def _sft(args: argparse.Namespace) -> int:
                       **({} if args.instruction is None else {"instruction": args.instruction}))
   sft_files(args.model, args.data, args.out, config, question_field=args.question_field,
             response_field=args.response_field, log=log, prompt=prompt)
+  _weights_mode_as_umask(args.out)
   print(f"saved {args.out}")
   return 0
 
@@ -344,14 +437,33 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _config_keys_epilog() -> str:
-  from rft_jax.train.config import format_config_keys
+  from rft_jax.train.config_reference import format_config_keys
 
-  return ("config keys (YAML or dotted overrides key=value) and their defaults; relative paths are\n"
-          "read against the current directory:\n" + format_config_keys())
+  return ("config keys (YAML or dotted overrides key=value), their defaults and allowed values\n"
+          "(docs/configs.md says what each means); relative paths are read against the current\n"
+          "directory:\n" + format_config_keys())
+
+
+EXIT_STATUS = """\
+exit status (every command; the error is one line on standard error):
+  0       done
+  1       refused or stopped after the input was accepted: RUN_DIR in use by another trainer or
+          holding an earlier run (--no-resume), a resume whose config changes what the run
+          computes, non-finite parameters (a run, a resume, export), a write that fails, rewards
+          that fail beyond rewards.max_error_fraction; plan: the config does not fit; verify: an
+          identity above its bound; build-kernels: the build failed
+  2       invalid input, found before anything runs: an unknown option or key, a bad config value
+          or option value, a missing or malformed file (config, data, model directory, run
+          directory), a reward function that does not import
+  128+N   stopped by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing the step"""
+
+
+def _train_epilog() -> str:
+  return _config_keys_epilog() + "\n\n" + EXIT_STATUS
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = ArgumentParser(prog="rft-jax", description=__doc__.splitlines()[0])
+  parser = ArgumentParser(prog="rft-jax", description=__doc__.splitlines()[0], epilog=EXIT_STATUS)
   sub = parser.add_subparsers(dest="command", required=True)  # subcommands: ArgumentParser too
 
   verify = sub.add_parser("verify", help="check Theorems 1-2 and Corollaries 1-3 numerically")
@@ -360,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
   verify.add_argument("--vocab", type=int, default=64, help="vocabulary size")
   verify.set_defaults(func=_verify)
 
-  train = sub.add_parser("train", help="run (or resume) a training run", epilog=_config_keys_epilog)
+  train = sub.add_parser("train", help="run (or resume) a training run", epilog=_train_epilog)
   train.add_argument("--config", help="YAML config (see configs/)")
   train.add_argument("--print-config", action="store_true",
                      help="print the effective config (YAML: defaults filled in, paths absolute) and exit")
@@ -379,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
   demo = sub.add_parser("demo", help="GRPO vs Clip_B vs Clip_V (or other methods: variants=...) on the "
                                      "embedded synthetic task")
   demo.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
-                                                           "read against the repository root")
+                    "read against the directory holding the rft_jax package (the repository root in a checkout)")
   demo.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. steps=10; "
                     "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely,ppo,ppo_clip_b,ppo_clip_v,lora picks the runs "
                     "(default grpo,clip_b,clip_v)")
@@ -438,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
   attr.add_argument("--lr", type=float, help="the step size of the forecast (default: the run's learner.optim.lr)")
   attr.add_argument("--token-classes", metavar="MODULE:FUNCTION",
                     help="token classes, e.g. rft_jax.demo.task:token_class (default: digit / separator / other)")
+  attr.add_argument("--mask", metavar="KIND",
+                    help="the entropy mask whose tokens are outlined: clip_b, clip_v, ... or none (default: "
+                         "the run's learner.entropy_mask; none for an HF directory)")
   attr.add_argument("--out", default="attribution.html", help="the HTML page to write")
   attr.set_defaults(func=_attribute)
 

@@ -62,6 +62,10 @@ def test_the_class_table_and_the_page(attributed):
   assert page.count("<span") - page.count('<span class="meta"') == 48
   assert page.count('class="masked"') == sum(int(c.masked.sum()) for c in attributed)
   assert "E_p[S]=" in page and "<table>" in page
+  assert "Outlined tokens are those Clip_B would take out" in page and "<th>Clip_B masks</th>" in page
+  unmasked = attribution_html([("start", attributed)], None)  # a run without a mask: none named
+  assert "Outlined tokens are those" not in unmasked and "masks</th>" not in unmasked
+  assert "No entropy mask is marked: the run used none" in unmasked
 
 
 def test_the_attribute_command_writes_the_page(tmp_path, capsys):
@@ -73,6 +77,8 @@ def test_the_attribute_command_writes_the_page(tmp_path, capsys):
                    "--max-new-tokens", "4", "--out", str(out)]) == 0
   assert capsys.readouterr().out.strip() == str(out)
   page = out.read_text()
-  assert page.count("title=") == 2 * 2 * 4 and "Clip_B" in page  # every token of 2 x 2 answers
+  assert page.count("title=") == 2 * 2 * 4  # every token of 2 x 2 answers
+  # an HF directory trained with no mask: none is marked or named (--mask KIND marks one)
+  assert "No entropy mask is marked" in page and "Clip_B masks" not in page and 'class="masked"' not in page
   assert cli.main(["attribute", "--model", str(model_dir), "--data", str(data), "--token-classes", "nowhere:f"]) == 2
   assert "--token-classes" in capsys.readouterr().err

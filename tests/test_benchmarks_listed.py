@@ -1,6 +1,7 @@
-"""Every benchmark script is listed in the README's Benchmarks section, and every path under
-``benchmarks/`` that the README, the package, the configs, the launch scripts, the tests or the
-benchmarks themselves mention exists (so that moving a script cannot leave a dead reference)."""
+"""Every benchmark script is listed in a table of ``docs/benchmarks.md``, and every path under
+``benchmarks/`` that the README, the docs, the package, the configs, the launch scripts, the tests
+or the benchmarks themselves mention exists (so that moving a script cannot leave a dead
+reference)."""
 from __future__ import annotations
 
 import glob
@@ -8,7 +9,8 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCANNED = ("README.md", "rft_jax", "configs", "launch", "tests", "benchmarks")
+SCANNED = ("README.md", "docs", "rft_jax", "configs", "launch", "tests", "benchmarks")
+LISTING = os.path.join("docs", "benchmarks.md")  # the benchmarks' tables
 TEXT_SUFFIXES = (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".cc", ".h", ".txt", ".json")
 # A path: "benchmarks/" then path characters; a path cut after a "/" at the end of a line carries
 # on at the next line's first word (after any comment marker, "#" or "//") when that word names
@@ -34,13 +36,12 @@ def scripts() -> list[str]:
   return sorted(found)
 
 
-def benchmarks_section() -> str:
-  """The README's ``## Benchmarks`` section, up to the next ``## `` heading."""
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-    text = f.read()
-  match = re.search(r"^## Benchmarks\b.*?(?=^## |\Z)", text, re.M | re.S)
-  assert match, "README.md has no '## Benchmarks' section"
-  return match.group(0)
+def benchmarks_table() -> str:
+  """The table rows (lines that start with ``|``) of ``docs/benchmarks.md``."""
+  with open(os.path.join(ROOT, LISTING), encoding="utf-8") as f:
+    rows = [line for line in f if line.lstrip().startswith("|")]
+  assert rows, f"{LISTING} has no table"
+  return "".join(rows)
 
 
 def mentioned_paths() -> dict[str, set[str]]:
@@ -65,11 +66,11 @@ def mentioned_paths() -> dict[str, set[str]]:
   return paths
 
 
-def test_every_script_is_listed_in_the_readme():
-  section = benchmarks_section()
-  unlisted = [s for s in scripts() if s not in section]
+def test_every_script_is_listed_in_the_benchmarks_table():
+  table = benchmarks_table()
+  unlisted = [s for s in scripts() if f"`{s}`" not in table]
   assert scripts(), "no benchmark scripts found"
-  assert not unlisted, f"not in README.md's Benchmarks section: {unlisted}"
+  assert not unlisted, f"not in a table row of {LISTING}: {unlisted}"
 
 
 def test_every_mentioned_benchmarks_path_exists():

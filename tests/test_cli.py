@@ -73,6 +73,8 @@ def test_train_help_lists_the_config_keys_with_their_defaults(capsys):
                "data.system_prompt = null", "progress = true", "--print-config", "--dry-run"):
     assert line in out, line
   assert len(config_keys()) > 60 and all(f"  {key} = " in out for key, _ in config_keys())
+  assert "learner.objective = 'ppo'  (one of: ppo, gspo)" in out
+  assert "(one of: continuous, static)" in out  # sampling.scheduler
 
 
 def test_every_subcommand_help_shows_its_defaults(capsys):

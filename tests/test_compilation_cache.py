@@ -22,7 +22,7 @@ def test_a_resumed_run_loads_the_programs_its_first_process_compiled(tmp_path):
   first compiles and keeps its programs in RUN_DIR/.jax_cache, the resumed one loads them and
   runs them on the 4 x 2 mesh, the entropy-change measurement included. With XLA:CPU's
   concurrency-optimised scheduler on (its default), that loaded program deadlocks in its
-  collectives and XLA aborts after 40 s (jax 0.10.2); the README's workaround turns it off."""
+  collectives and XLA aborts after 40 s (jax 0.10.2); the workaround of docs/training.md turns it off."""
   setup = make_loop_files(tmp_path)
   run_dir = tmp_path / "run"
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # keep every program

@@ -1,5 +1,6 @@
 """The registry of token methods (``rft_jax.rl.token_methods``): config keys are validated against
-it, the learner asks the configured methods, and the README's worked example adds a method."""
+it, the learner asks the configured methods, and the worked example of ``docs/extending.md`` adds a
+method."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def robust_clip_b():
-  """The README's worked example, executed from the README, registered for one test."""
-  readme = (ROOT / "README.md").read_text()
-  block = re.search(r"\*\*Adding a token method\.\*\*.*?```python\n(.*?)```", readme, re.S).group(1)
+  """The worked example of ``docs/extending.md``, executed from the page, registered for one test."""
+  page = (ROOT / "docs" / "extending.md").read_text()
+  block = re.search(r"^## Adding a token method\n.*?```python\n(.*?)```", page, re.S | re.M).group(1)
   namespace: dict = {}
-  exec(compile(block, "README.md", "exec"), namespace)
+  exec(compile(block, "docs/extending.md", "exec"), namespace)
   yield namespace["RobustClipB"]
   TOKEN_METHODS.pop("clip_b_robust")
 

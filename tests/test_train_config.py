@@ -87,7 +87,7 @@ def test_shipped_configs_load_once_paths_are_set(path):
   assert cfg.sampling.temperature == 1.0 and cfg.eval.temperature == 0.7
   assert cfg.sampling.n == (16 if "qwen2_5" in path else 8)
   # Paged KV cache, all of a step's rollouts in one call: the dense continuous pool of a call's
-  # rows at the full 8k does not fit a v5p chip (README, Scale).
+  # rows at the full 8k does not fit a v5p chip (docs/scale.md).
   assert cfg.sampling.kv_pages and cfg.sampling.max_rollouts_per_call is None
   assert sampling_params(cfg, (2,)).kv_pages == cfg.sampling.kv_pages
   name = os.path.basename(path)[:-len(".yaml")].split("b_", 1)[1]  # qwen2_5_7b_kl_cov: kl_cov

@@ -7,7 +7,7 @@
 
 Each config is planned in its own process (`rft-jax plan --json`, model.path set to the
 architecture-only directories under configs/models/); the per-device figures are printed as the
-Markdown table of the README and written to --out as JSON lines. Full-size compiles take 1-4
+Markdown table of docs/results/plans.md and written to --out as JSON lines. Full-size compiles take 1-4
 minutes each on 2 CPU cores.
 """
 

@@ -118,9 +118,10 @@ def class_table(completions: Sequence[Completion]) -> list[dict]:
   return sorted(({"class": k, **v} for k, v in rows.items()), key=lambda r: r["grpo"])
 
 
-def attribution_html(sections: Sequence[tuple[str, Sequence[Completion]]], mask_name: str) -> str:
+def attribution_html(sections: Sequence[tuple[str, Sequence[Completion]]], mask_name: str | None) -> str:
   """A static page: for each ``(title, completions)`` section, the coloured completions and the
-  class table."""
+  class table. ``mask_name``: the entropy mask outlined (its title, e.g. ``Clip_B``); None when
+  none is (a run without one): the page says so and the table has no mask columns."""
   body = []
   for title, completions in sections:
     scale = max((float(np.abs(c.forecast).max()) for c in completions if len(c.forecast)), default=0.0) or 1.0
@@ -130,11 +131,21 @@ def attribution_html(sections: Sequence[tuple[str, Sequence[Completion]]], mask_
       body.append(f'<p class="row"><span class="meta">{html.escape(c.problem.question)} A={c.advantage:+.2f} '
                   f'reward={c.reward:g}</span><br>{spans}</p>')
     body.append(class_table_html(completions, mask_name))
-  return PAGE.format(mask=html.escape(mask_name), body="\n".join(body))
+  if mask_name is not None:
+    masked = f"Outlined tokens are those {html.escape(mask_name)} would take out of the loss."
+  else:
+    masked = ("No entropy mask is marked: the run used none (<code>rft-jax attribute --mask clip_b</code> "
+              "outlines the tokens Clip_B would take out).")
+  return PAGE.format(masked=masked, body="\n".join(body))
 
 
-def class_table_html(completions: Sequence[Completion], mask_name: str) -> str:
-  """:func:`class_table` as an HTML table."""
+def class_table_html(completions: Sequence[Completion], mask_name: str | None) -> str:
+  """:func:`class_table` as an HTML table (without the mask's columns when ``mask_name`` is None)."""
+  if mask_name is None:
+    head = "<tr><th>class</th><th>tokens</th><th>sum forecast, all (GRPO)</th></tr>"
+    cells = "".join(f"<tr><td>{html.escape(r['class'])}</td><td>{r['tokens']}</td><td>{r['grpo']:.3e}</td></tr>"
+                    for r in class_table(completions))
+    return f"<table>{head}{cells}</table>"
   head = (f"<tr><th>class</th><th>tokens</th><th>{html.escape(mask_name)} masks</th><th>sum forecast, all "
           f"(GRPO)</th><th>sum forecast, kept by {html.escape(mask_name)}</th></tr>")
   cells = "".join(f"<tr><td>{html.escape(r['class'])}</td><td>{r['tokens']}</td><td>{r['masked']}</td>"
@@ -159,7 +170,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px}}
 <h1>Token attribution of the entropy change (Theorem 2)</h1>
 <p>Each completion token is coloured by its forecast entropy change under one GRPO step on its own
 logits, -&alpha; (S<sub>*</sub> - E<sub>p</sub>[S]) with &alpha; = lr &times; A: red lowers the entropy, blue
-raises it (shade: size, scaled per section). Outlined tokens are those {mask} would take out of the loss.
+raises it (shade: size, scaled per section). {masked}
 Hover a token for p, H, S<sub>*</sub>, E<sub>p</sub>[S].</p>
 {body}
 </body></html>

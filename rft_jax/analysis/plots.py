@@ -66,6 +66,11 @@ def forecast_correlation(records: Sequence[dict], forecast: str = "entropy/forec
   return float(np.corrcoef(pairs.T)[0, 1])
 
 
+def correlation_label(r: float) -> str:
+  """``r = 0.83``; ``r = n/a`` where there is none (under 3 steps, or a constant series)."""
+  return "r = n/a" if not np.isfinite(r) else f"r = {r:.2f}"
+
+
 # One line style per series of a panel (the same for every run); the colour says the run.
 TRAINING_STYLE = "-"
 EVAL_STYLES = ("o--", "s-.", "^:", "D--", "v-.")  # one per evaluation set, in key order
@@ -132,7 +137,7 @@ def draw_runs(run_dirs: Sequence[str]):
     pairs = _forecast_pairs(records)
     if len(pairs):
       axes[3].scatter(pairs[:, 0], pairs[:, 1], s=12, color=color,
-                      label=f"{name} (r = {forecast_correlation(records):.2f})")
+                      label=f"{name} ({correlation_label(forecast_correlation(records))})")
   titles = ("policy entropy (nats / token)", "accuracy", "clip and mask fractions",
             "entropy change: forecast vs measured")
   run_handles = [Line2D([], [], color=c, label=n) for n, c in zip(run_names(run_dirs), colors)]

@@ -1,10 +1,14 @@
-"""Where the demo's files are, so that ``rft-jax demo`` runs from any working directory.
+"""Where the demo's files are, so that ``rft-jax demo`` runs from any working directory and
+from any install (a checkout, an editable install or a wheel).
 
-The shipped ``configs/demo.yaml`` is found from the package (the repository root is the
-parent of the ``rft_jax`` package; ``configs/`` is not package data), and its relative
-``model.path`` is read against that root, where ``rft_jax/demo/checkpoint`` lives. The outputs
-go where the user runs the demo: ``run_dir`` (and any path given on the command line) is
-relative to the current directory, and the training data and the compilation cache are kept
+One rule: the demo's config and checkpoint are package data, ``rft_jax/configs/demo.yaml``
+(:data:`DEFAULT_CONFIG`; the repository's ``configs/demo.yaml`` is a link to it) and
+``rft_jax/demo/checkpoint``, and a relative ``model.path`` of the config file is read against
+:data:`REPO_ROOT`, the directory that holds the ``rft_jax`` package: the repository root in a
+checkout, ``site-packages`` (or the ``--target`` directory) in an install. The config's
+``model.path: rft_jax/demo/checkpoint`` is therefore the package's checkpoint in both. The
+outputs go where the user runs the demo: ``run_dir`` (and any path given on the command line)
+is relative to the current directory, and the training data and the compilation cache are kept
 under the run directory.
 """
 
@@ -13,8 +17,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+# The directory holding the rft_jax package (the repository root in a checkout).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "demo.yaml")
+# The shipped config (package data; configs/demo.yaml in the repository links to it).
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "rft_jax", "configs", "demo.yaml")
 
 
 def overridden(overrides: Sequence[str], key: str) -> bool:

@@ -9,7 +9,7 @@ paper-style plots of the three runs into ``RUN_DIR/demo.png``. ``variants=...`` 
 overrides runs other :data:`VARIANTS` instead (:mod:`rft_jax.demo.methods`): the methods of the
 paper's Table 3 (Clip-Cov, KL-Cov, forking tokens, the unlikeliness reward) on the same learner.
 It runs from any directory
-(:mod:`rft_jax.demo.paths`): the default config is the repository's ``configs/demo.yaml``,
+(:mod:`rft_jax.demo.paths`): the default config is the package's ``rft_jax/configs/demo.yaml``,
 and the runs, their data and the compilation cache go under ``RUN_DIR``.
 """
 
@@ -97,7 +97,7 @@ def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
              variants: Sequence[str] = DEFAULT_VARIANTS) -> dict[str, dict[str, float]]:
   """Runs the variants and returns their summaries (also printed and plotted).
 
-  ``config_path``: default the repository's ``configs/demo.yaml``
+  ``config_path``: default the package's ``rft_jax/configs/demo.yaml``
   (:func:`rft_jax.demo.paths.load_demo_config` says how its paths are read).
   """
   base = load_demo_config(config_path, list(overrides))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 import traceback
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -34,19 +35,41 @@ logger = logging.getLogger(__name__)
 _reported: set[tuple] = set()  # the kinds of failure logged so far (function, type, where)
 
 
-def load_function(name: str, key: str = "rewards.functions") -> Callable:
-  """The function ``"package.module:function"`` names; a ``ValueError`` naming ``key`` if not."""
+def load_function(name: str, key: str = "rewards.functions", near: Sequence[str] = ()) -> Callable:
+  """The function ``"package.module:function"`` names; a ``ValueError`` naming ``key`` if not.
+
+  A module that is not found gets :func:`path_hint`'s hint (``near``: directories where its file
+  may be, besides the current one)."""
   module_name, _, attribute = name.partition(":")
   if not module_name or not attribute:
     raise ValueError(f"{key}: {name!r} is not of the form 'package.module:function'")
   try:
     module = importlib.import_module(module_name)
   except Exception as exc:
-    raise ValueError(f"{key}: cannot import {module_name!r} for {name!r} ({type(exc).__name__}: {exc})") from exc
+    raise ValueError(f"{key}: cannot import {module_name!r} for {name!r} ({type(exc).__name__}: {exc})"
+                     f"{path_hint(module_name, exc, near)}") from exc
   fn = getattr(module, attribute, None)
   if not callable(fn):
     raise ValueError(f"{key}: module {module_name!r} has no function {attribute!r}")
   return fn
+
+
+def path_hint(module_name: str, exc: BaseException, near: Sequence[str] = ()) -> str:
+  """Where ``module_name`` was not found (``exc``, a ``ModuleNotFoundError`` for it or its
+  package, not for something it imports): the ``PYTHONPATH`` to set, naming the directory that
+  holds its file where one of the current directory and ``near`` does; else ''."""
+  top = module_name.split(".")[0]
+  if not isinstance(exc, ModuleNotFoundError) or exc.name not in (top, module_name):
+    return ""  # the module was found; something inside it failed
+  relative = os.path.join(*module_name.split("."))
+  for directory in [os.getcwd(), *near]:
+    if os.path.isfile(os.path.join(directory, relative + ".py")) or os.path.isfile(
+        os.path.join(directory, relative, "__init__.py")):
+      where = "." if os.path.abspath(directory) == os.getcwd() else directory
+      return (f"; {relative}.py is in {os.path.abspath(directory)}: put that directory on the module "
+              f"search path, e.g. PYTHONPATH={where} rft-jax ...")
+  return (f"; put the directory that holds {relative}.py on the module search path, e.g. "
+          f"PYTHONPATH=/path/to/that/directory rft-jax ... (PYTHONPATH=. from that directory)")
 
 
 class FunctionFailure(NamedTuple):

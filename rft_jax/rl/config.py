@@ -63,20 +63,20 @@ class EntropyMaskConfig:
   target_band: float = 0.1
 
   def __post_init__(self):
-    finite_numbers("entropy_mask", self)
+    finite_numbers("learner.entropy_mask", self)
     if self.target_entropy is not None:
-      positive("entropy_mask.target_entropy", self.target_entropy)
-    positive("entropy_mask.target_band", self.target_band)
+      positive("learner.entropy_mask.target_entropy", self.target_entropy)
+    positive("learner.entropy_mask.target_band", self.target_band)
     configured_class(self, removes_tokens=True).check(self)
-    choice("entropy_mask.samples", self.samples, SAMPLES)
-    choice("entropy_mask.sign", self.sign, ("positive", "negative"))
-    choice("entropy_mask.action", self.action, ("keep", "drop", "only"))
-    choice("entropy_mask.logp_source", self.logp_source, LOGP_SOURCES)
+    choice("learner.entropy_mask.samples", self.samples, SAMPLES)
+    choice("learner.entropy_mask.sign", self.sign, ("positive", "negative"))
+    choice("learner.entropy_mask.action", self.action, ("keep", "drop", "only"))
+    choice("learner.entropy_mask.logp_source", self.logp_source, LOGP_SOURCES)
     if self.max_frac is not None and not 0.0 <= self.max_frac <= 1.0:
-      raise ValueError(f"entropy_mask.max_frac must be in [0, 1], got {self.max_frac!r}")
+      raise ValueError(f"learner.entropy_mask.max_frac must be in [0, 1], got {self.max_frac!r}")
     for name in ("mu_low", "mu_high"):
       if getattr(self, name) is not None:
-        positive(f"entropy_mask.{name}", getattr(self, name), allow_zero=True)
+        positive(f"learner.entropy_mask.{name}", getattr(self, name), allow_zero=True)
 
   @property
   def resolved_mu_low(self) -> float | None:
@@ -112,15 +112,15 @@ class EntropyMethodConfig:
   forking_rho: float = FORKING_RHO
 
   def __post_init__(self):
-    finite_numbers("entropy_method", self)
+    finite_numbers("learner.entropy_method", self)
     configured_class(self, removes_tokens=False).check(self)
     for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_rho"):
       value = getattr(self, name)
       if not 0 < value <= 1:
-        raise ValueError(f"entropy_method.{name} must be in (0, 1], got {value!r}")
-    positive("entropy_method.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
+        raise ValueError(f"learner.entropy_method.{name} must be in (0, 1], got {value!r}")
+    positive("learner.entropy_method.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
     if self.clip_cov_lb >= self.clip_cov_ub:
-      raise ValueError(f"entropy_method.clip_cov_lb={self.clip_cov_lb} must be below "
+      raise ValueError(f"learner.entropy_method.clip_cov_lb={self.clip_cov_lb} must be below "
                        f"clip_cov_ub={self.clip_cov_ub}")
 
 

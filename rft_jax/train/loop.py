@@ -296,7 +296,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
                 if main and cfg.logging.wandb else None)
       log = MetricsLog(cfg.run_dir, resume_from_step=resume_from, mirror=mirror) if main else NullLog()
       completions = {name: JsonlFile(os.path.join(cfg.run_dir, f"{name}.jsonl"), resume_from_step=resume_from)
-                     for name, on in (("rollouts", cfg.log_rollouts_every), ("eval_completions", cfg.eval.save_completions))
+                     for name, on in (("rollouts", cfg.log_rollouts_every),
+                                      ("eval_completions", cfg.eval.save_completions and evaluates(run)))
                      if on and main}
       return _run_steps(run, state, start, checkpointer, log, signals, completions, cache)
 
@@ -329,8 +330,10 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
     if step is not None:
       logger.info("checkpoint of step %d saved in %s", step, checkpointer.directory)
 
+  evaluating = evaluates(run)  # else no evaluation runs and none is logged
+  no_signal = NoSignalWarning(cfg, start)
   try:
-    if cfg.eval.at_start and start == 0:
+    if evaluating and cfg.eval.at_start and start == 0:
       log.write(-1, _timed_evaluation(run, state, -1, completions.get("eval_completions")))
     for step in range(start, cfg.steps):
       try:
@@ -350,7 +353,8 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
       skipped_in_row = skipped_in_row + 1 if skipped else 0
       skipped_total += skipped
       metrics["nonfinite_skipped_total"] = float(skipped_total)
-      if cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps):
+      no_signal.update(step, metrics)
+      if evaluating and cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps):
         try:
           metrics.update(_timed_evaluation(run, state, step, completions.get("eval_completions")))
           logger.info("evaluation after step %d: %s", done, ", ".join(
@@ -390,6 +394,57 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
   for f in completions.values():
     f.close()
   return {**metrics, "steps_done": done}
+
+
+def evaluates(run: Run) -> bool:
+  """Whether the run's evaluations have anything to evaluate: evaluation on (``eval.every`` or
+  ``eval.at_start``) and a validation split (``data.val_size``) or ``eval.sets``. Without, no
+  evaluation runs, none is logged and no ``eval_completions.jsonl`` is written."""
+  cfg = run.config
+  return bool((cfg.eval.every or cfg.eval.at_start) and (run.validation or cfg.eval.sets))
+
+
+# Steps in a row without a group whose rewards differ before the run says it learns nothing.
+NO_SIGNAL_STEPS = 5
+
+
+class NoSignalWarning:
+  """One warning when ``NO_SIGNAL_STEPS`` steps in a row (every step of a shorter run) had no
+  learning signal: every group's ``sampling.n`` completions got the same reward, so every group
+  advantage is 0 and the updates do not move the policy (a reward function that never matches
+  the model's answers, a prompt the model does not answer in the expected format). Said once per
+  such stretch, not at every step; a step with signal ends the stretch."""
+
+  def __init__(self, cfg: TrainConfig, start: int):
+    self.cfg = cfg
+    self.threshold = max(1, min(NO_SIGNAL_STEPS, cfg.steps - start))
+    self.first: int | None = None  # the stretch's first step
+    self.warned = False
+    self.rewards: list[float] = []
+
+  def update(self, step: int, metrics: dict[str, float]) -> None:
+    if metrics.get("zero_variance_group_frac", 0.0) < 1.0:
+      self.first, self.warned, self.rewards = None, False, []
+      return
+    if self.first is None:
+      self.first = step
+    self.rewards.append(metrics.get("reward_mean", float("nan")))
+    if self.warned or step - self.first + 1 < self.threshold or not is_main_process():
+      return
+    self.warned = True
+    cfg = self.cfg
+    low, high = min(self.rewards), max(self.rewards)
+    rewards = f"{low:g}" if low == high else f"{low:g} to {high:g}"
+    what = (f"rewards.functions={list(cfg.rewards.functions)}" if cfg.rewards.functions
+            else f"the math check (rewards.extractor={cfg.rewards.extractor}: the answer it reads)")
+    seen = (f"; compare the completions in {os.path.join(cfg.run_dir, 'rollouts.jsonl')} with their answers"
+            if cfg.log_rollouts_every else "")
+    logger.warning(
+        "no learning signal in steps %d-%d: in every group the %d completions got the same reward "
+        "(mean reward %s), so the rewards give the updates no direction (GRPO's advantages are all 0); check "
+        "the reward, %s, against the model's answers, and the prompt and answer format "
+        "(data.instruction, the answers in data.train_path)%s. Said once until a step has signal.",
+        self.first, step, cfg.sampling.n, rewards, what, seen)
 
 
 def _check_restored(state, checkpointer: RunCheckpointer, step: int) -> None:

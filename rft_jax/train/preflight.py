@@ -61,13 +61,21 @@ def validate_for_training(cfg: TrainConfig, n_devices: int) -> Inputs:
     check_model_dir(cfg.model.critic_path, key="model.critic_path", tokenizer=False)
   train, report = check_training_data(cfg)
   eval_sets = check_eval_sets(cfg)
-  for name in cfg.rewards.functions:
-    try:
-      load_function(name)
-    except ValueError as exc:
-      raise ConfigError(str(exc)) from exc
+  check_reward_functions(cfg.rewards.functions)
   check_logging(cfg)
   return Inputs(train, report, eval_sets)
+
+
+def check_reward_functions(functions, key: str = "rewards.functions", near=()) -> None:
+  """Each of ``functions`` (``module:function``) imports here: a :class:`ConfigError` naming
+  ``key``, with the ``PYTHONPATH`` to set where the module is not found
+  (:func:`~rft_jax.rewards.user_functions.load_function`; ``near``: directories where its file
+  may be), before any model loads."""
+  for name in functions:
+    try:
+      load_function(name, key, near)
+    except ValueError as exc:
+      raise ConfigError(str(exc)) from exc
 
 
 def check_logging(cfg: TrainConfig) -> None:

@@ -17,7 +17,7 @@ from peers.runners.spec import write_spec
 # glibc (2.35 on) then advises transparent huge pages for what malloc maps, where the kernel
 # gives them only on advice (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise``): every
 # contender's weights and caches then sit in 2 MiB pages. Older glibc ignores it. Off by
-# default, so that the recorded figures compare (README, benchmarks/LONGTAIL.md; ``launch/local.sh``
+# default, so that the recorded figures compare (docs/results/peers.md, benchmarks/LONGTAIL.md; ``launch/local.sh``
 # sets it for rft_jax's demo).
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 

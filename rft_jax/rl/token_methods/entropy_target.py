@@ -46,8 +46,8 @@ class EntropyTarget(TokenMethod):
   def check(cls, section) -> None:
     cuts = sorted(k for k in method_names(True) if issubclass(method_class(k, True), OutlierMask))
     if section.kind not in cuts:
-      raise ValueError(f"entropy_mask.target_entropy chooses a Clip_B / Clip_V cut: set entropy_mask.kind "
-                       f"to one of {cuts}, not {section.kind!r}")
+      raise ValueError(f"learner.entropy_mask.target_entropy chooses a Clip_B / Clip_V cut: set "
+                       f"learner.entropy_mask.kind to one of {cuts}, not {section.kind!r}")
 
   def choose(self, inputs: TokenInputs) -> TokenChoice:
     m = self.config.entropy_mask

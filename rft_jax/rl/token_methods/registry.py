@@ -15,7 +15,7 @@ loss (:meth:`TokenMethod.policy_loss`). Two config keys select one method each:
 The learner asks the configured methods (:func:`token_method`) and never compares names; a
 config's ``kind`` is validated against this registry's keys. Adding a method is one module with a
 :class:`TokenMethod` subclass under ``@register_token_method("name")``, imported by this package's
-``__init__`` (the README shows one).
+``__init__`` (docs/extending.md shows one).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def method_names(removes_tokens: bool) -> tuple[str, ...]:
 def method_class(name: str, removes_tokens: bool) -> type[TokenMethod]:
   """The registered method ``kind=name`` of an entropy mask (``removes_tokens``) or entropy
   method; ``ValueError`` naming the config key if there is none."""
-  key = "entropy_mask.kind" if removes_tokens else "entropy_method.kind"
+  key = "learner.entropy_mask.kind" if removes_tokens else "learner.entropy_method.kind"
   if name not in method_names(removes_tokens):
     other = "entropy_method.kind" if removes_tokens else "entropy_mask.kind"
     hint = f" ({name} is set by learner.{other})" if name in method_names(not removes_tokens) else ""
