@@ -32,11 +32,9 @@ from rft_jax.models.lora_model import add_adapters
 from rft_jax.parallel import host_array, is_main_process, make_mesh, sync_processes
 from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
-from rft_jax.rl.advantages import compute_advantages
+from rft_jax.rl.algorithms import AdvantageInputs, CriticRun
 from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
-from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
 from rft_jax.rl.learner import Learner, LearnerBatch
-from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
@@ -172,20 +170,11 @@ def sample_rounds(run: Run, state, step: int) -> list[SampledRound]:
   return rounds
 
 
-def critic_advantages(run: Run, critic_state, arrays: dict, rewards: np.ndarray):
-  """PPO's token advantages from the critic: each completion's reward at its last token, GAE over
-  its tokens with the rollout-time values, whitened over the batch (``rft_jax.rl.gae``).
-
-  Returns:
-    ``([B, L] advantages aligned with input_ids, [B, L-1] returns, [B, L-1] values)``; the last two
-    are next-token aligned as :meth:`~rft_jax.rl.critic.Critic.values`.
-  """
-  c = run.config.critic
-  values = run.critic.values(critic_state, arrays["input_ids"], arrays["attention_mask"])
-  mask = jnp.asarray(arrays["response_mask"][:, 1:] * arrays["attention_mask"][:, 1:])
-  advantages, returns = gae_advantages(outcome_token_rewards(jnp.asarray(rewards), mask), values, mask,
-                                       gamma=c.gamma, lam=c.lam)
-  return jnp.pad(advantages, ((0, 0), (1, 0))), returns, values
+def critic_run(run: Run, critic_state) -> CriticRun | None:
+  """PPO's critic in the run at ``critic_state`` (None without a critic)."""
+  if run.critic is None:
+    return None
+  return CriticRun(run.critic, critic_state, run.config.critic.gamma, run.config.critic.lam)
 
 
 def step_rollouts(run: Run, state, step: int) -> StepRollouts:
@@ -195,23 +184,15 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
   rounds = sample_rounds(run, state, step)  # 1. sample and score
   chosen = select_groups(rounds, n, cfg.data.prompts_per_step, cfg.dynamic_sampling)  # 2. select
   arrays = batch_arrays([(g.round.rollouts, g.rows) for g in chosen])
-  rewards = shaped = gather(chosen, "reward").astype(np.float32)
+  rewards = gather(chosen, "reward").astype(np.float32)
   correct = gather(chosen, "correct").astype(bool)
-  if cfg.learner.beta_rank > 0:  # 3. advantages; the unlikeliness reward shapes their input only
-    likelihood = mean_token_logp(arrays["sampler_logp"], arrays["response_mask"])
-    shaped = host_array(unlikeliness_rewards(rewards.reshape(-1, n), correct.reshape(-1, n),
-                                             likelihood.reshape(-1, n), beta_rank=cfg.learner.beta_rank)).reshape(-1)
-  critic_targets = None
-  if run.critic is not None:
-    advantages, returns, values = critic_advantages(run, state.critic, arrays, shaped)
-    critic_targets = (returns, values)
-  else:
-    advantages = compute_advantages(jnp.asarray(shaped), n, cfg.learner.advantage,
-                                    **({"eps": cfg.learner.advantage_eps, "ddof": cfg.learner.advantage_ddof}
-                                       if cfg.learner.advantage == "grpo" else {}))
+  inputs = AdvantageInputs(rewards, correct, arrays["input_ids"], arrays["attention_mask"],
+                           arrays["response_mask"], arrays["sampler_logp"])
+  critic = critic_run(run, state.critic if run.critic is not None else None)
+  result = cfg.learner.algorithm.advantages(inputs, n, cfg.learner, critic)  # 3. advantages
   # Device arrays where the sampler left them: the learner lays them out on its mesh.
-  batch = LearnerBatch(advantages=advantages, **arrays)
-  return StepRollouts(rounds, chosen, rewards, correct, batch, critic_targets)
+  batch = LearnerBatch(advantages=result.advantages, **arrays)
+  return StepRollouts(rounds, chosen, rewards, correct, batch, result.critic_targets)
 
 
 def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
@@ -233,10 +214,10 @@ def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict
     policy, metrics = run.learner.step(policy, batch)
   learn_time = time.perf_counter() - t0
   state = policy
-  if run.critic is not None:  # one step of the value loss on the same rollouts
+  if run.critic is not None:  # the algorithm's critic step on the same rollouts
     t1 = time.perf_counter()
-    critic_state, critic_metrics = run.critic.step(critic_state, batch.input_ids, batch.attention_mask,
-                                                   batch.response_mask[:, 1:], *rollouts.critic_targets)
+    critic_state, critic_metrics = run.config.learner.algorithm.critic_step(
+        critic_run(run, critic_state), batch, rollouts.critic_targets)
     metrics.update(critic_metrics, time_critic=time.perf_counter() - t1)
     state = ActorCriticState(policy=policy, critic=critic_state)
   metrics.update(rollouts.metrics(run.config.sampling.n), time_learner=learn_time)  # 5. log
