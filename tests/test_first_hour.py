@@ -53,7 +53,7 @@ def test_a_run_without_reward_variance_warns_once_naming_the_steps(flat_run):
 
 def test_no_signal_warning_is_said_once_per_stretch(capsys):
   from rft_jax.train.config import load_config
-  from rft_jax.train.loop import NO_SIGNAL_STEPS, NoSignalWarning
+  from rft_jax.train.learning_signal import NO_SIGNAL_STEPS, NoSignalWarning
   from rft_jax.train.status import configure_logging
 
   configure_logging(0)
