@@ -29,7 +29,7 @@ from rft_jax.sampling.keys import step_uniforms
     ("stop_token_ids", (2.5,)),
 ])
 def test_sampling_params_errors_name_the_field(field, value):
-  with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+  with pytest.raises(ValueError, match=rf"sampling\.{field}"):
     SamplingParams(**{field: value})
 
 

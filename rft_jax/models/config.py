@@ -59,8 +59,9 @@ class QwenConfig:
     decode_kernels: the sampler's decode step on an accelerator (:data:`DECODE_KERNEL_KINDS`):
       ``auto`` (five Pallas kernels a layer on one GPU where they take the shapes, else XLA's),
       ``xla``, ``fused`` (:mod:`rft_jax.models.fused_decode`), or ``fused_interpret`` (the same
-      kernels in Pallas' interpret mode, on any backend: for tests). CPUs decode feature-major
-      (:mod:`rft_jax.models.feature_major`) whatever this says.
+      kernels in Pallas' interpret mode, on any backend: for tests). It chooses the step on a
+      dense KV cache: CPUs decode feature-major (:mod:`rft_jax.models.feature_major`) and a paged
+      cache (``sampling.kv_pages``) with its paged attention, whatever this says.
     lora: LoRA adapters on the projections (:class:`~rft_jax.models.lora.LoraConfig`); None:
       none. Not part of the architecture: ``config.json`` never holds it (an export merges the
       adapters, :mod:`rft_jax.models.lora_model`).

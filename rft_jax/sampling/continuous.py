@@ -218,8 +218,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   prompt_cache = constrain(prompt_cache, axes, mesh, rules)
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   step_layers = layers if platform == "gpu" else None  # see loop.py: GPUs slice layers once
-  kernels = fused_decode.decode_kernels_kind(model.config, platform, loop.devices_of(mesh),
-                                             spec.slots[0])
+  kernels = None if on_cpu else fused_decode.decode_kernels_kind(
+      model.config, platform, loop.devices_of(mesh), spec.slots[0])  # the dense cache's step
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None

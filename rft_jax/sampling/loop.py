@@ -207,8 +207,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   # the slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
   # One GPU decodes with five Pallas kernels a layer where they take the shapes
-  # (QwenConfig.decode_kernels, rft_jax.models.fused_decode).
-  kernels = fused_decode.decode_kernels_kind(model.config, platform, devices_of(mesh), b * n)
+  # (QwenConfig.decode_kernels, rft_jax.models.fused_decode); CPUs decode feature-major.
+  kernels = None if on_cpu else fused_decode.decode_kernels_kind(model.config, platform,
+                                                                 devices_of(mesh), b * n)
   logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
                                        layers=layers)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
