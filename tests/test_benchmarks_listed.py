@@ -44,18 +44,24 @@ def benchmarks_table() -> str:
   return "".join(rows)
 
 
-def mentioned_paths() -> dict[str, set[str]]:
-  """``{benchmarks/... path: files mentioning it}`` over the scanned files."""
+def text_files(scanned=SCANNED, suffixes=TEXT_SUFFIXES) -> list[str]:
+  """The files of ``scanned`` (files, or folders walked, hidden ones skipped) ending in
+  ``suffixes``."""
   files = []
-  for entry in SCANNED:
+  for entry in scanned:
     top = os.path.join(ROOT, entry)
     if os.path.isfile(top):
       files.append(top)
     for folder, dirs, names in os.walk(top):
       dirs[:] = [d for d in dirs if not d.startswith((".", "__pycache__"))]
-      files += [os.path.join(folder, n) for n in names if n.endswith(TEXT_SUFFIXES)]
+      files += [os.path.join(folder, n) for n in names if n.endswith(suffixes)]
+  return files
+
+
+def mentioned_paths() -> dict[str, set[str]]:
+  """``{benchmarks/... path: files mentioning it}`` over the scanned files."""
   paths: dict[str, set[str]] = {}
-  for path in files:
+  for path in text_files():
     with open(path, encoding="utf-8", errors="replace") as f:
       text = f.read()
     for match in PATH.finditer(text):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from verl_reference import verl_agg_loss_token_mean, verl_masked_mean
 
-from rft_jax.rl import cov_methods as C
+from rft_jax.rl.token_methods import cov_methods as C
 
 
 def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,

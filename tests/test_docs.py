@@ -10,6 +10,7 @@ import os
 import re
 
 import pytest
+from test_benchmarks_listed import text_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -84,21 +85,9 @@ def test_every_relative_link_reaches_a_file_and_its_anchor_a_heading():
   assert not dead, "dead links:\n  " + "\n  ".join(dead)
 
 
-def _files() -> list[str]:
-  files = []
-  for entry in SCANNED:
-    top = os.path.join(ROOT, entry)
-    if os.path.isfile(top):
-      files.append(top)
-    for folder, dirs, names in os.walk(top):
-      dirs[:] = [d for d in dirs if not d.startswith((".", "__pycache__"))]
-      files += [os.path.join(folder, n) for n in names if n.endswith(TEXT_SUFFIXES)]
-  return files
-
-
 def test_every_named_docs_path_exists():
   dead: dict[str, set[str]] = {}
-  for path in _files():
+  for path in text_files(SCANNED, TEXT_SUFFIXES):
     for match in re.finditer(r"(?<![\w./-])docs/[\w./*-]*", _read(path)):
       mention = match.group(0).rstrip(".,")
       if mention in FOREIGN and not _rel(path).startswith(("README", "docs/")):

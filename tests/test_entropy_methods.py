@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from rft_jax.rl.config import EntropyMethodConfig, LearnerConfig
-from rft_jax.rl.cov_methods import kl_cov_penalty_mask
-from rft_jax.rl.forking_tokens import forking_token_mask
+from rft_jax.rl.token_methods.cov_methods import kl_cov_penalty_mask
+from rft_jax.rl.token_methods.forking import forking_token_mask
 from rft_jax.rl.learner import Learner
 from test_learner import config, synthetic_batch, tiny_model
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rft_jax.rl.forking_tokens import forking_token_mask
+from rft_jax.rl.token_methods.forking import forking_token_mask
 
 
 def trl_get_high_entropy_mask(entropies, mask, threshold):

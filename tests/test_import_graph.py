@@ -1,8 +1,11 @@
-"""The package's import graph has no cycle, imports inside functions included.
+"""The package's import graph has no cycle, imports inside functions and under ``if TYPE_CHECKING:``
+included.
 
 Every module of ``rft_jax`` is parsed with ``ast`` (not imported): each ``import rft_jax.x`` and
-``from rft_jax.x import y`` anywhere in it, at the top or inside a function, is an edge (those
-under ``if TYPE_CHECKING:``, which never run, name annotations only and are not). ``from
+``from rft_jax.x import y`` anywhere in it, at the top, inside a function or under ``if
+TYPE_CHECKING:``, is an edge. An import under ``TYPE_CHECKING`` never runs, but the annotations it
+serves still make the module depend on the other: a cycle through it is a cycle of the layering,
+which a type checker follows as well. ``from
 rft_jax.x import y`` goes to ``rft_jax.x.y`` when that is a module, else to ``rft_jax.x``; a
 package's ``__init__`` is the module named after the package. A function-level import that closes
 a cycle hides it from Python (the import runs after both modules loaded) but not from the layering:
@@ -36,16 +39,12 @@ def module_names() -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, modules: set[str]) -> set[str]:
-  """The ``rft_jax`` modules that module ``name`` (at ``path``) imports anywhere in its body."""
+  """The ``rft_jax`` modules that module ``name`` (at ``path``) imports anywhere in its body, under
+  ``if TYPE_CHECKING:`` included."""
   is_package = path.name == "__init__.py"
   found = set()
   tree = ast.parse(path.read_text(), str(path))
-  # `if TYPE_CHECKING:` blocks are never executed: their imports name types for annotations only.
-  unexecuted = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
-                for stmt in block.body for n in ast.walk(stmt)}
   for node in ast.walk(tree):
-    if id(node) in unexecuted:
-      continue
     if isinstance(node, ast.Import):
       targets = [alias.name for alias in node.names]
     elif isinstance(node, ast.ImportFrom):
@@ -66,11 +65,6 @@ def imports(name: str, path: Path, modules: set[str]) -> set[str]:
         if target != name:
           found.add(target)
   return found
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-  return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-      isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -134,6 +128,16 @@ def test_the_graph_sees_function_level_imports():
   graph = import_graph()
   assert "rft_jax.train.loop" in graph["rft_jax.cli"]  # cli imports every command's module lazily
   assert "rft_jax.data" in graph["rft_jax.train.loop"]  # `from rft_jax import data as data_lib`
+
+
+def test_the_graph_sees_type_checking_imports(tmp_path):
+  """An import under ``if TYPE_CHECKING:`` (plain or ``typing.TYPE_CHECKING``) is an edge."""
+  source = ("from typing import TYPE_CHECKING\nimport typing\nif TYPE_CHECKING:\n  from rft_jax.a import X\n"
+            "if typing.TYPE_CHECKING:\n  import rft_jax.b\n")
+  path = tmp_path / "m.py"
+  path.write_text(source)
+  modules = {"rft_jax", "rft_jax.a", "rft_jax.b", "rft_jax.m"}
+  assert imports("rft_jax.m", path, modules) == {"rft_jax.a", "rft_jax.b"}
 
 
 def test_no_import_cycles():

@@ -52,7 +52,11 @@ recomputed) but 308 GB of the 991 (31 %): 4.4 GB a forward chunk and 8.4 GB a ba
 0.93 GB (float32; 11 GB less a step in bfloat16): the logits pass through HBM many times, between
 separate reduction fusions. At remat 1, micro 4 the measured step (462 ms, 34.2 % MFU) is 2.2 x this
 roofline's 206 ms; it launches 12,728 kernels (24 a layer forward, 78 a layer backward, x 28
-layers x 4 micro-batches).
+layers x 4 micro-batches). Since the token statistics' closed-form derivative per chunk
+(``rft_jax/entropy/token_stats.py``; the same command, 2026-11-28): 855 GB at remat 1, micro 4
+(the token statistics' loops 45.2 + 127.7 GB: 1.88 GB a forward chunk, 5.32 a backward one, of
+which about 3.7 the float32 unembedding read three times and its gradient's accumulator) and
+636 GB at micro 16; the FLOPs unchanged.
 """
 
 from __future__ import annotations

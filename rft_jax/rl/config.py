@@ -13,8 +13,8 @@ from rft_jax.entropy.clipping import CLIP_V_MAX_FRAC, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
 from rft_jax.rl.algorithms import Algorithm, algorithm
 from rft_jax.rl.checks import choice, finite_numbers, positive
-from rft_jax.rl.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
-from rft_jax.rl.forking_tokens import FORKING_RHO
+from rft_jax.rl.token_methods.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
+from rft_jax.rl.token_methods.forking import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from rft_jax.rl.objectives import Objective, objective
 from rft_jax.rl.optimizer import OptimizerConfig, optimizer_config

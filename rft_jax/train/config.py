@@ -462,17 +462,3 @@ def config_keys(schema: type = TrainConfig, prefix: str = "", instance: Any = No
     if typing.get_origin(hints[field.name]) is list and item and dataclasses.is_dataclass(item[0]):
       keys += config_keys(item[0], key + "[i].")
   return keys
-
-
-def format_config_keys() -> str:
-  """Every setting with its default, one ``key = value`` a line (``rft-jax train --help``)."""
-  def shown(value: Any) -> str:
-    if value is None:
-      return "null"
-    if isinstance(value, bool):
-      return str(value).lower()
-    if isinstance(value, str):  # YAML's single quotes: a backslash is itself
-      return "'" + value.replace("'", "''") + "'"
-    return repr(value)
-
-  return "\n".join(f"  {key} = {shown(value)}" for key, value in config_keys())

@@ -1,7 +1,46 @@
-r"""Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
-Reasoning Language Models") as token methods: the paper's Table 3 comparisons.
+r"""Clip-Cov and KL-Cov: covariance-targeted entropy control (Cui et al. 2025).
 
-The maths is ``rft_jax.rl.cov_methods`` (checked against verl 0.9.1 on identical tensors). The
+Source: G. Cui et al., *The Entropy Mechanism of Reinforcement Learning for Reasoning
+Language Models*, arXiv:2505.22617 (2025). The entropy change of a policy-gradient
+step is driven by the covariance between a token's log-prob and its advantage; both
+methods act on the few tokens with the largest centred covariance
+
+.. math::  \mathrm{Cov}_t = \big(A_t - \bar A\big)\big(\log \pi_\theta(y_t) - \overline{\log \pi_\theta}\big),
+
+with the means :math:`\bar A, \overline{\log\pi_\theta}` over the valid tokens of the batch.
+
+* **Clip-Cov** removes the gradient of a random :math:`\max(\lfloor r N \rfloor, 1)` of the
+  tokens (:math:`N` valid tokens, :math:`r` = ``ratio``) with
+  :math:`\omega_{low} < \mathrm{Cov}_t < \omega_{high}` (``lb``, ``ub``) that the PPO clip
+  has not already clipped.
+* **KL-Cov** adds :math:`\beta\,|\log\pi_\theta - \log\pi_{old}|` to the loss of the top
+  :math:`\max(\lfloor r N \rfloor, 1)` tokens by covariance; the rest get the *unclipped*
+  surrogate :math:`-A_t r_t`.
+
+Peer implementation: verl 0.9.1 (Apache-2.0), ``verl/trainer/ppo/core_algos.py``,
+``compute_policy_loss_clip_cov`` and ``compute_policy_loss_kl_cov`` (adapted there from
+PRIME-RL/Entropy-Mechanism-of-RL). Every function here is checked against verl 0.9.1
+core_algos.py on identical tensors (``tests/test_cov_methods.py``, torch transcription).
+Defaults are verl's config defaults, ``verl/trainer/config/actor/actor.yaml`` lines 64-76
+(= ``verl/workers/config/actor.py`` lines 95-99, ``PolicyLossConfig``): ``clip_cov_ratio:
+0.0002``, ``clip_cov_lb: 1.0``, ``clip_cov_ub: 5.0``, ``kl_cov_ratio: 0.0002``,
+``ppo_kl_coef: 0.1``. (The loss functions fall back to 1.0 for ``ppo_kl_coef`` only when the
+config value is ``None``; the shipped default is 0.1.)
+
+**Scope of the statistics.** verl calls these losses from ``ppo_loss``
+(``verl/workers/utils/losses.py``) on one micro-batch of one data-parallel rank, so its
+means, :math:`N`, the candidate set and the top-k are per micro-batch, while the token-mean
+denominator (``batch_num_tokens``) is the global batch's. Here they are over the arrays
+given: pass the whole training batch (under ``jit`` a sharded global array) for
+batch-level statistics, or a micro-batch to reproduce verl's scope. Statistics are float32
+and stop-gradient.
+
+**Counts under jit.** :math:`\max(\lfloor r N\rfloor, 1)` uses Python's float64
+``int(r * N)`` exactly as verl does, although :math:`N` is traced: the thresholds of
+:math:`N` at which the count steps up are tabulated on the host for every possible
+:math:`N \le B T` (the static shape).
+
+**As token methods** (:class:`ClipCov`, :class:`KLCov`, at the end of this module). The
 token sets are chosen once per train step, over the whole batch's valid loss tokens, from the
 pre-update pass (as Clip_B's statistics are): the covariance uses the pre-update log-probs, and
 Clip-Cov's "not already clipped by PPO" holds for every token there (the ratio is 1). verl
@@ -15,9 +54,288 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
 
-from rft_jax.rl.cov_methods import clip_cov_keep, clip_cov_loss, kl_cov_loss, kl_cov_penalty_mask
+from rft_jax.entropy import masked_mean
 from rft_jax.rl.token_methods.registry import TokenChoice, TokenInputs, TokenMethod, register_token_method
+
+# verl 0.9.1 defaults: verl/trainer/config/actor/actor.yaml:64-76 (verl/workers/config/actor.py:95-99).
+CLIP_COV_RATIO = 2e-4
+CLIP_COV_LB = 1.0
+CLIP_COV_UB = 5.0
+KL_COV_RATIO = 2e-4
+KL_COV_COEF = 0.1
+
+
+def _int_ratio_times(ratio: float, n: Array, n_max: int) -> Array:
+  """``int(ratio * n)`` in Python float64, as verl computes it, for a traced ``0 <= n <= n_max``.
+
+  ``floor(ratio * n)`` is non-decreasing in ``n``: tabulate on the host the smallest ``n``
+  at which it reaches each value ``1..floor(ratio * n_max)`` and count the thresholds
+  ``n`` has passed (float32 on the device could be off by one near integers).
+  """
+  values = np.floor(ratio * np.arange(n_max + 1, dtype=np.float64)).astype(np.int64)
+  thresholds = np.searchsorted(values, np.arange(1, int(values[-1]) + 1), side="left")
+  return jnp.sum(n >= jnp.asarray(thresholds, jnp.int32)).astype(jnp.int32)
+
+
+def _verl_count(ratio: float, n_valid: Array, n_max: int) -> Array:
+  """verl's ``max(int(ratio * n_valid), 1)``."""
+  return jnp.maximum(_int_ratio_times(ratio, n_valid, n_max), 1)
+
+
+def _ratio(logp, old_logp, log_ratio_clamp):
+  log_ratio = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)
+  return log_ratio, jnp.exp(jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp))
+
+
+def token_covariance(
+    logp: Float[Array, "B T"], advantages: Float[Array, "B T"], mask: Array
+) -> Float[Array, "B T"]:
+  r"""Per-token centred covariance of advantage and log-prob (Cui et al. 2025).
+
+  .. math::  \mathrm{Cov}_t = \big(A_t - \bar A\big)\big(\log\pi_\theta(y_t) - \overline{\log\pi_\theta}\big),
+             \quad \bar x = \frac{1}{N}\sum_{t:\,m_t > 0} x_t,
+
+  over the valid tokens (``mask > 0``) of the arrays given. float32, stop-gradient; 0 on
+  padded tokens, whose values never enter the means. verl 0.9.1 computes the same
+  (``cov_all`` in ``compute_policy_loss_clip_cov``, ``cov_lst_all`` in
+  ``compute_policy_loss_kl_cov``); checked against verl 0.9.1 core_algos.py on identical
+  tensors.
+
+  Args:
+    logp: ``[B, T]`` log-probs of the sampled tokens under the current policy.
+    advantages: ``[B, T]`` per-token advantages.
+    mask: ``[B, T]`` valid response tokens (``> 0``).
+
+  Returns:
+    ``[B, T]`` float32 covariance, 0 off the mask.
+  """
+  valid = mask > 0
+  lp = jax.lax.stop_gradient(logp).astype(jnp.float32)
+  adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
+  cov = (adv - masked_mean(adv, valid)) * (lp - masked_mean(lp, valid))
+  return jnp.where(valid, cov, 0.0)
+
+
+def clip_cov_candidates(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    lb: float = CLIP_COV_LB,
+    ub: float = CLIP_COV_UB,
+    log_ratio_clamp: float = 20.0,
+) -> Bool[Array, "B T"]:
+  r"""Tokens Clip-Cov may detach: valid, not PPO-clipped, and :math:`lb < \mathrm{Cov}_t < ub`.
+
+  With :math:`\ell^1_t = -A_t r_t`, :math:`\ell^2_t = -A_t\,\mathrm{clip}(r_t, 1-\epsilon_{low},
+  1+\epsilon_{high})`, verl's ``clip_by_origin`` is :math:`\ell^2_t > \ell^1_t` (the clip is
+  active); those tokens are excluded. Bounds are strict on both sides, as in verl.
+  """
+  valid = mask > 0
+  _, ratio = _ratio(logp, old_logp, log_ratio_clamp)
+  adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
+  ratio = jax.lax.stop_gradient(ratio)
+  loss1 = -adv * ratio
+  loss2 = -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
+  clipped = loss2 > loss1
+  cov = token_covariance(logp, advantages, mask)
+  return valid & ~clipped & (cov > lb) & (cov < ub)
+
+
+def clip_cov_keep(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Array,
+    key: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    ratio: float = CLIP_COV_RATIO,
+    lb: float = CLIP_COV_LB,
+    ub: float = CLIP_COV_UB,
+    log_ratio_clamp: float = 20.0,
+) -> Bool[Array, "B T"]:
+  r"""Clip-Cov (Cui et al. 2025): False on the tokens whose gradient is removed.
+
+  Candidates (:func:`clip_cov_candidates`) are the valid tokens with
+  :math:`lb < \mathrm{Cov}_t < ub` that the PPO clip has not clipped
+  (:math:`\ell^2_t \le \ell^1_t`). Of them a uniformly random subset of
+
+  .. math::  k = \min\big(\max(\lfloor r N \rfloor, 1),\ |\text{candidates}|\big)
+
+  tokens is chosen (:math:`N` valid tokens, :math:`r` = ``ratio``; verl:
+  ``clip_num = max(int(clip_cov_ratio * response_mask.sum().item()), 1)`` and
+  ``torch.randperm`` over the candidates, first ``min(clip_num, len)``). Here the subset is
+  the :math:`k` candidates of lowest i.i.d. uniform 32-bit priority drawn from ``key`` (one
+  sort, static shapes under ``jit``; the same key gives the same choice): every
+  :math:`k`-subset is equally likely, up to equal priorities (probability about
+  :math:`n_{cand}^2 / 2^{33}` per call), which go to the token first in row-major order.
+
+  **How verl applies it.** verl sets ``corr = 0`` on the chosen tokens and uses the
+  per-token loss
+
+  .. math::  \ell_t = \max\big(-A_t r_t,\ -A_t\,\mathrm{clip}(r_t, 1-\epsilon_{low}, 1+\epsilon_{high})\big)\cdot \mathrm{corr}_t
+
+  (the plain clipped surrogate, *no dual clip*; :func:`clip_cov_loss`), then aggregates
+  it with the unchanged ``response_mask`` (``agg_loss``; token-mean:
+  ``masked_sum(pg_losses, response_mask) / batch_num_tokens``): the chosen tokens
+  contribute 0 to the numerator but **stay in the denominator**. Do the same:
+  ``loss * keep`` with the loss mask and normaliser unchanged (not ``mask & keep``).
+
+  Checked against verl 0.9.1 core_algos.py on identical tensors (candidate set, count,
+  chosen tokens among the candidates, uniformity over keys).
+
+  Args:
+    logp, old_logp: ``[B, T]`` current and behaviour-policy log-probs of the sampled tokens.
+    advantages: ``[B, T]`` per-token advantages.
+    mask: ``[B, T]`` valid response tokens (``> 0``).
+    key: PRNG key for the random choice.
+    eps_low, eps_high: PPO clip range (verl's ``clip_ratio_low`` / ``clip_ratio_high``).
+    ratio: share of the valid tokens to detach (verl ``clip_cov_ratio``, default 2e-4).
+    lb, ub: open covariance bounds (verl ``clip_cov_lb`` 1.0, ``clip_cov_ub`` 5.0).
+    log_ratio_clamp: the log-ratio is clamped to this before ``exp``, like
+      :func:`rft_jax.rl.losses.ppo_clipped_loss` (verl does not clamp; identical below it).
+
+  Returns:
+    ``[B, T]`` bool, False exactly on the chosen tokens (all valid), True elsewhere.
+  """
+  if ratio <= 0:
+    raise ValueError(f"ratio must be > 0 (verl asserts it), got {ratio}")
+  candidates = clip_cov_candidates(
+      logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, lb=lb, ub=ub,
+      log_ratio_clamp=log_ratio_clamp,
+  )
+  size = candidates.size
+  n_valid = jnp.sum(mask > 0).astype(jnp.int32)
+  n_candidates = jnp.sum(candidates).astype(jnp.int32)
+  count = jnp.minimum(_verl_count(ratio, n_valid, size), n_candidates)
+  # Candidates first, in the order of i.i.d. 32-bit random priorities; the first `count` are chosen.
+  flat = candidates.reshape(-1)
+  priority = jax.random.bits(key, (size,), jnp.uint32)
+  index = jnp.arange(size, dtype=jnp.int32)
+  _, _, order = jax.lax.sort((~flat, priority, index), num_keys=3)
+  chosen = jnp.zeros((size,), bool).at[order].set(index < count).reshape(candidates.shape)
+  return jax.lax.stop_gradient(~chosen)
+
+
+def clip_cov_loss(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Array,
+    keep: Bool[Array, "B T"],
+    *,
+    eps_low: float,
+    eps_high: float,
+    log_ratio_clamp: float = 20.0,
+) -> Float[Array, "B T"]:
+  r"""verl's per-token Clip-Cov loss, 0 off the mask.
+
+  .. math::  \ell_t = \max\big(-A_t r_t,\ -A_t\,\mathrm{clip}(r_t, 1-\epsilon_{low}, 1+\epsilon_{high})\big)\cdot \mathrm{keep}_t,
+             \quad r_t = e^{\log\pi_\theta - \log\pi_{old}},
+
+  the clipped surrogate of :func:`rft_jax.rl.losses.ppo_clipped_loss` without dual clip,
+  times :func:`clip_cov_keep`. Aggregate with the *unchanged* mask (the detached tokens
+  stay in the denominator, as in verl). Checked against verl 0.9.1 core_algos.py
+  (``compute_policy_loss_clip_cov``, ``pg_losses``) on identical tensors.
+  """
+  _, ratio = _ratio(logp, old_logp, log_ratio_clamp)
+  adv = advantages.astype(jnp.float32)
+  loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+  return jnp.where((mask > 0) & keep, loss, 0.0)
+
+
+def kl_cov_penalty_mask(
+    logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Array,
+    *,
+    ratio: float = KL_COV_RATIO,
+) -> Bool[Array, "B T"]:
+  r"""KL-Cov (Cui et al. 2025): the tokens that receive the KL penalty.
+
+  The top
+
+  .. math::  k = \max\big(1, \lfloor N r \rfloor\big)
+
+  valid tokens by :func:`token_covariance` (:math:`N` valid tokens, :math:`r` = ``ratio``;
+  none when :math:`N = 0`). verl: ``k_percent_nums = max(1, int(len(cov_lst_all) *
+  kl_cov_ratio))``, ``torch.topk(cov_lst_all, k_percent_nums, largest=True)`` over the valid
+  tokens' covariance in row-major order (a token with exactly the k-th largest value may
+  or may not be picked: ``torch.topk``'s order among ties is unspecified). Here ties at
+  the boundary go to the token that comes first in row-major order (stable sort), so
+  exactly :math:`k` tokens are always selected. :math:`N` is traced under ``jit``: the
+  selection is a rank (stable ``argsort``) compared with :math:`k`.
+
+  Checked against verl 0.9.1 core_algos.py on identical tensors (tie-free covariances).
+
+  Args:
+    logp: ``[B, T]`` current log-probs of the sampled tokens.
+    advantages: ``[B, T]`` per-token advantages.
+    mask: ``[B, T]`` valid response tokens.
+    ratio: share of the valid tokens penalised (verl ``kl_cov_ratio``, default 2e-4).
+
+  Returns:
+    ``[B, T]`` bool, True on the penalised tokens (all valid).
+  """
+  if ratio <= 0:
+    raise ValueError(f"ratio must be > 0 (verl asserts it), got {ratio}")
+  valid = mask > 0
+  cov = token_covariance(logp, advantages, mask)
+  size = cov.size
+  n_valid = jnp.sum(valid).astype(jnp.int32)
+  k = jnp.where(n_valid > 0, _verl_count(ratio, n_valid, size), 0)
+  # Descending covariance over the valid tokens, padding last; ties by row-major index.
+  score = jnp.where(valid, -cov, jnp.inf).reshape(-1)
+  order = jnp.argsort(score, stable=True)
+  rank = jnp.empty((size,), jnp.int32).at[order].set(jnp.arange(size, dtype=jnp.int32))
+  return jax.lax.stop_gradient(valid & (rank.reshape(cov.shape) < k))
+
+
+def kl_cov_loss(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Array,
+    penalised: Bool[Array, "B T"],
+    *,
+    kl_coef: float = KL_COV_COEF,
+    log_ratio_clamp: float = 20.0,
+) -> Float[Array, "B T"]:
+  r"""verl's per-token KL-Cov loss, 0 off the mask.
+
+  .. math::  \ell_t = -A_t r_t + \beta\,\big|\log\pi_\theta(y_t) - \log\pi_{old}(y_t)\big|\cdot[t \in \text{penalised}],
+             \quad r_t = e^{\log\pi_\theta - \log\pi_{old}},
+
+  with :math:`\beta` = ``kl_coef`` (verl ``ppo_kl_coef``; config default 0.1,
+  ``actor.yaml:76``). There is **no PPO clip** anywhere in verl's KL-Cov loss: the
+  unpenalised tokens get the plain importance-weighted surrogate :math:`-A_t r_t`.
+  ``penalised`` comes from :func:`kl_cov_penalty_mask`. Aggregate with the mask (verl's
+  ``agg_loss`` with ``response_mask``). The log-ratio is clamped to ``log_ratio_clamp``
+  inside ``exp`` only (verl does not clamp; identical below it). The gradient of
+  :math:`|x|` at :math:`x = 0` is 0, as torch's (``jnp.abs`` would give 1): on the first,
+  on-policy update the penalty adds nothing, as in verl.
+
+  Checked against verl 0.9.1 core_algos.py (``compute_policy_loss_kl_cov``, ``pg_losses``)
+  on identical tensors, values and gradients.
+  """
+  log_ratio, ratio = _ratio(logp, old_logp, log_ratio_clamp)
+  loss = -advantages.astype(jnp.float32) * ratio
+  # |x| as sign(x) x: its gradient at x = 0 is 0, as torch's abs (jnp.abs's is 1). On-policy, the
+  # first update has log p = log p_old exactly: the penalty must then add no gradient, as in verl.
+  abs_log_ratio = jax.lax.stop_gradient(jnp.sign(log_ratio)) * log_ratio
+  loss = jnp.where(penalised, loss + kl_coef * abs_log_ratio, loss)
+  return jnp.where(mask > 0, loss, 0.0)
+
+
+# The token methods: the choice over the whole batch, then verl's loss on each micro-batch.
 
 CLIP_COV_KEY = 0x0C0F  # the base key of Clip-Cov's choice, folded with the step
 
@@ -25,7 +343,7 @@ CLIP_COV_KEY = 0x0C0F  # the base key of Clip-Cov's choice, folded with the step
 @register_token_method("clip_cov")
 class ClipCov(TokenMethod):
   """Clip-Cov: the gradient of a random ``clip_cov_ratio`` share of the tokens with covariance in
-  ``(clip_cov_lb, clip_cov_ub)`` is removed (:func:`rft_jax.rl.cov_methods.clip_cov_keep`)."""
+  ``(clip_cov_lb, clip_cov_ub)`` is removed (:func:`clip_cov_keep`)."""
 
   replaces_loss = True
 
@@ -46,7 +364,7 @@ class ClipCov(TokenMethod):
 @register_token_method("kl_cov")
 class KLCov(TokenMethod):
   """KL-Cov: the top ``kl_cov_ratio`` share of tokens by covariance gets ``kl_cov_coef * |log p -
-  log p_old|`` (:func:`rft_jax.rl.cov_methods.kl_cov_penalty_mask`)."""
+  log p_old|`` (:func:`kl_cov_penalty_mask`)."""
 
   replaces_loss = True
 
