@@ -110,37 +110,8 @@ def _export(args: argparse.Namespace) -> int:
     raise NonFiniteError(f"step {step} of {args.run_dir} holds NaN or infinite parameters; not exporting")
   dtype = args.dtype or _checkpoint_dtype(cfg.model.path) or cfg.model.param_dtype
   save_hf(model, args.out, tokenizer=load_tokenizer(cfg.model.path), dtype=dtype, source=cfg.model.path)
-  _weights_mode_as_umask(args.out)
   print(f"exported step {step} of {args.run_dir} to {args.out} ({dtype})")
   return 0
-
-
-def _umask() -> int:
-  """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
-  import os
-
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("Umask:"):
-          return int(line.split()[1], 8)
-  except OSError:
-    pass
-  mask = os.umask(0o022)
-  os.umask(mask)
-  return mask
-
-
-def _weights_mode_as_umask(directory: str) -> None:
-  """Gives the ``*.safetensors`` files of an HF directory the mode of its other files (0666 less
-  the umask): safetensors' writer creates them 0600, unreadable by the group and others that can
-  read the config and tokenizer beside them."""
-  import os
-
-  mode = 0o666 & ~_umask()
-  for name in os.listdir(directory):
-    if name.endswith(".safetensors"):
-      os.chmod(os.path.join(directory, name), mode)
 
 
 def _sampling_inputs(args: argparse.Namespace):
@@ -359,7 +330,6 @@ def _sft(args: argparse.Namespace) -> int:
                       **({} if args.instruction is None else {"instruction": args.instruction}))
   sft_files(args.model, args.data, args.out, config, question_field=args.question_field,
             response_field=args.response_field, log=log, prompt=prompt)
-  _weights_mode_as_umask(args.out)
   print(f"saved {args.out}")
   return 0
 

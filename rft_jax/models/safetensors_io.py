@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Callable
@@ -128,7 +129,9 @@ def write_sharded(path: Path, sizes: dict[str, int], fetch: Callable[[str], np.n
   """Writes tensors ``fetch(name)`` for ``name in sizes``, one shard in host memory at a time.
 
   A single shard is written as ``model.safetensors``; several as
-  ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+  ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``. Each file gets the
+  mode of any other file written here (0666 less the umask): safetensors' writer creates its
+  files 0600, unreadable by those who can read the config and tokenizer beside them.
   """
   shards = plan_shards(sizes, max_shard_bytes)
   n = len(shards)
@@ -136,8 +139,23 @@ def write_sharded(path: Path, sizes: dict[str, int], fetch: Callable[[str], np.n
                                         for i in range(n)]
   for names, fname in zip(shards, files):
     save_file({name: fetch(name) for name in names}, str(path / fname), metadata={"format": "pt"})
+    os.chmod(path / fname, 0o666 & ~_umask())
   if n > 1:
     index = {"metadata": {"total_size": int(sum(sizes.values()))},
              "weight_map": {name: f for names, f in zip(shards, files) for name in names}}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
   return [path / f for f in files]
+
+
+def _umask() -> int:
+  """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except OSError:
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
