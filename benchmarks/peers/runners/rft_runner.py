@@ -36,6 +36,9 @@ from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 from rft_jax.sampling.rollouts import learner_arrays  # noqa: E402
 
 
+SETTINGS: dict[str, str] = {}
+
+
 def setup(spec: dict) -> dict:
   if jax.default_backend() == "cpu":  # as `rft-jax build-kernels` (launch/local.sh) does
     cpu_attention.build()
@@ -47,6 +50,8 @@ def setup(spec: dict) -> dict:
   scheduler = os.environ.get("RFT_JAX_BENCH_SCHEDULER", spec["scheduler"])
   sampler = dict(temperature=spec["temperature"], scheduler=scheduler,
                  decode_slots=spec["decode_slots"])
+  SETTINGS.update({"scheduler": scheduler, "decode_slots": str(spec["decode_slots"] or "rows"),
+                   "XLA_FLAGS": os.environ.get("XLA_FLAGS", "unset")})
   rollout_params = SamplingParams(n=1, max_new_tokens=spec["new_tokens"], **sampler)
   group_params = SamplingParams(n=spec["group_size"], max_new_tokens=spec["new_tokens"], **sampler)
   arrays = load_batch(spec["batch"])
@@ -96,5 +101,5 @@ def setup(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-  serve(setup, ("jax", "flax"), about=lambda: {
+  serve(setup, ("jax", "flax"), about=lambda: SETTINGS | {
       "CPU attention kernel": "on" if cpu_attention.available() else "off"})
