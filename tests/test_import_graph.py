@@ -127,7 +127,7 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 def test_the_graph_sees_function_level_imports():
   graph = import_graph()
   assert "rft_jax.train.loop" in graph["rft_jax.cli.run_commands"]  # a command imports its modules lazily
-  assert "rft_jax.data" in graph["rft_jax.train.loop"]  # `from rft_jax import data as data_lib`
+  assert "rft_jax.data" in graph["rft_jax.train.run_setup"]  # `from rft_jax import data as data_lib`
 
 
 def test_the_graph_sees_type_checking_imports(tmp_path):

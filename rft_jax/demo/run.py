@@ -27,9 +27,10 @@ from rft_jax.analysis.plots import forecast_correlation, plot_runs
 from rft_jax.demo.methods import METHODS
 from rft_jax.demo.paths import load_demo_config
 from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_problems, write_problems
-from rft_jax.train.loop import build_run, train
+from rft_jax.train.loop import train
 from rft_jax.train.metrics_log import read_metrics
 from rft_jax.train.preflight import validate_for_training
+from rft_jax.train.run_setup import build_run
 
 VARIANTS = METHODS  # the demo runs any of them by name
 DEFAULT_VARIANTS = ("grpo", "clip_b", "clip_v")
@@ -62,7 +63,7 @@ def build_demo_run(root: str, overrides: Sequence[str] = ()):
   evaluation) and a fresh train state, for benchmarks that look inside one demo step.
 
   Returns:
-    ``(config, run, state)`` as :func:`rft_jax.train.loop.build_run` gives them.
+    ``(config, run, state)`` as :func:`rft_jax.train.run_setup.build_run` gives them.
   """
   train_path, _ = write_demo_data(os.path.join(root, "data"))
   cfg = load_demo_config(None, [f"run_dir={root}", f"data.train_path={train_path}", "eval.every=0",

@@ -11,7 +11,9 @@ from any directory.
 
 Some sections are defined by the packages they configure: ``data``
 (:class:`rft_jax.data.config.DataConfig`), ``learner`` (:mod:`rft_jax.rl.config`), ``critic``
-(:mod:`rft_jax.rl.critic`), ``rewards`` (:mod:`rft_jax.rewards`).
+(:mod:`rft_jax.rl.critic`), ``rewards`` (:mod:`rft_jax.rewards`), ``sampling``
+(:class:`rft_jax.sampling.SamplingParams`), ``eval`` (:mod:`rft_jax.train.eval_config`). Reading
+the YAML file and the overrides, and :class:`ConfigError`, are :mod:`rft_jax.train.config_sources`'.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import re
 import typing
 from typing import Any, Optional, Sequence
 
-import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -33,11 +34,9 @@ from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.critic import CriticConfig
 from rft_jax.sampling.params import SamplingParams
-from rft_jax.train.renamed_keys import rename_keys, renamed_overrides
-
-
-class ConfigError(ValueError):
-  """A config that cannot run; the message names the file, the key and the value."""
+from rft_jax.train.config_sources import ConfigError, describe_error, load_yaml, parse_overrides
+from rft_jax.train.eval_config import EvalConfig, EvalSetConfig  # noqa: F401 (imported from here)
+from rft_jax.train.renamed_keys import renamed_overrides
 
 
 @dataclasses.dataclass
@@ -91,50 +90,6 @@ def rollout_sampling() -> SamplingParams:
   tokenizer's end-of-sequence ids and then ``sampling.stop_token_ids``
   (:func:`rft_jax.train.resolve.sampling_params`)."""
   return SamplingParams(n=16, max_new_tokens=1024)
-
-
-@dataclasses.dataclass
-class EvalSetConfig:
-  """One evaluation set: a name, a local file, its format and K samples per problem."""
-
-  name: str = "val"
-  path: str = ""
-  format: str = "jsonl"
-  k: int = 8
-
-  def __post_init__(self):
-    if self.k < 1:
-      raise ConfigError(f"eval set {self.name!r}: k={self.k} must be >= 1")
-
-
-@dataclasses.dataclass
-class EvalConfig:
-  """Evaluation every ``every`` steps (0: never) at ``temperature`` (the paper: 0.7).
-
-  ``sets`` lists extra sets (e.g. AIME with k=32); the held-out validation split is
-  evaluated with ``val_k`` samples when ``data.val_size > 0``. ``save_completions`` writes every
-  sampled answer, with its score, to ``RUN_DIR/eval_completions.jsonl``. ``at_start`` also evaluates
-  the starting policy of a fresh run, logged as step -1 (the evaluation after step ``s`` is
-  logged at step ``s``, so step -1 is "after no update").
-  """
-
-  every: int = 0
-  at_start: bool = False
-  save_completions: bool = True
-  temperature: float = 0.7
-  max_new_tokens: Optional[int] = None
-  val_k: int = 8
-  max_val_problems: Optional[int] = None
-  sets: list[EvalSetConfig] = dataclasses.field(default_factory=list)
-
-  def __post_init__(self):
-    if self.val_k < 1:
-      raise ConfigError(f"eval.val_k={self.val_k} must be >= 1")
-    names = [s.name for s in self.sets]
-    for name in names:
-      if names.count(name) > 1 or name == "val":
-        raise ConfigError(f"eval.sets: the name {name!r} is " + ("used twice" if name != "val" else
-                          "the held-out validation split's") + "; each set's metrics are named after it")
 
 
 @dataclasses.dataclass
@@ -270,12 +225,6 @@ class TrainConfig:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-def _describe(exc: OmegaConfBaseException) -> str:
-  key = getattr(exc, "full_key", None)
-  text = str(exc).splitlines()[0]
-  return f"{text} (key: {key})" if key else text
-
-
 # Paths a training run cannot start without (``rft-jax plan`` needs only the model's config.json).
 REQUIRED_PATHS = ("model.path", "data.train_path")
 
@@ -332,10 +281,10 @@ def _merge(path: str | None, overrides: Sequence[str], defaults: dict, where: st
     if defaults:
       merged = OmegaConf.merge(merged, OmegaConf.create(defaults))
     if path:
-      merged = OmegaConf.merge(merged, _load_yaml(path))
+      merged = OmegaConf.merge(merged, load_yaml(path))
     if overrides:
       stage = "the command line"
-      merged = OmegaConf.merge(merged, _parse_overrides(overrides))
+      merged = OmegaConf.merge(merged, parse_overrides(overrides))
     stage = None
     return OmegaConf.to_object(merged)
   except ConfigError as exc:
@@ -347,7 +296,7 @@ def _merge(path: str | None, overrides: Sequence[str], defaults: dict, where: st
     source = stage or _source_of(str(key or exc), path, overrides, defaults)
     if stage == "the command line" and key:
       source = _source_of(key, None, overrides, {})
-    raise ConfigError(f"{source}: {_describe(exc)}") from exc
+    raise ConfigError(f"{source}: {describe_error(exc)}") from exc
   except ValueError as exc:  # a dataclass __post_init__ check
     raise ConfigError(f"{_source_of(str(exc), path, overrides, defaults)}: {exc}") from exc
 
@@ -373,63 +322,6 @@ def _source_of(message: str, path: str | None, overrides: Sequence[str], default
     if str(exc) == f"{path}: {message}":
       return path
   return f"{path} with the command line's overrides"
-
-
-def _load_yaml(path: str):
-  """The YAML file as an OmegaConf mapping; a file that is missing, not UTF-8, not YAML or not a
-  mapping is a :class:`ConfigError` naming the file (and the line)."""
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except FileNotFoundError as exc:
-    raise ConfigError(f"config file not found: {path}") from exc
-  except OSError as exc:  # a directory, no permission
-    raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from exc
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError as exc:
-    line = raw.count(b"\n", 0, exc.start) + 1
-    raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from exc
-  try:
-    loaded = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
-  except yaml.YAMLError as exc:
-    raise ConfigError(f"{path}: malformed YAML: {_yaml_problem(exc)}") from exc
-  if not OmegaConf.is_dict(loaded):
-    raise ConfigError(f"{path}: the top level must be a mapping of settings (key: value), "
-                      f"not a {type(OmegaConf.to_container(loaded)).__name__}")
-  return rename_keys(loaded, path)
-
-
-def _parse_overrides(overrides: Sequence[str]):
-  bad = [o for o in overrides if "=" not in o]
-  if bad:
-    raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
-  dotlist = []
-  for override in overrides:
-    # `key=` is the empty string (OmegaConf reads it as null, which a str field refuses)
-    item = override + "''" if override.endswith("=") else override
-    try:
-      OmegaConf.from_dotlist([item])
-    except yaml.YAMLError as exc:
-      raise ConfigError(f"override {override!r}: the value is not valid YAML: "
-                        f"{_yaml_problem(exc, with_line=False)}") from exc
-    dotlist.append(item)
-  return OmegaConf.from_dotlist(dotlist)
-
-
-def _yaml_problem(exc: yaml.YAMLError, with_line: bool = True) -> str:
-  """What a YAML parser error says, with the line and column of its marks (1-based)."""
-  def at(mark) -> str:
-    return f"line {mark.line + 1}, column {mark.column + 1}" if with_line and mark is not None else ""
-
-  problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-  context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-  problem_mark = getattr(exc, "problem_mark", None) or context_mark
-  text = f"{at(problem_mark)}: {problem}" if at(problem_mark) else problem
-  if context:
-    where = at(context_mark) if context_mark is not problem_mark else ""
-    text += f" ({context}{' at ' + where if where else ''})"
-  return text
 
 
 def to_yaml(config: TrainConfig) -> str:

@@ -2,7 +2,7 @@
 reward settings, loaded one way for every command that samples from one.
 
 :func:`load_policy` loads the starting model of a run's config (a training run,
-:func:`rft_jax.train.loop.build_run`), a run directory's checkpoint with the run's settings, or a
+:func:`rft_jax.train.run_setup.build_run`), a run directory's checkpoint with the run's settings, or a
 Hugging Face directory with the training defaults (``rft-jax eval``, ``filter``, ``attribute``;
 the figures' attribution page).
 """
