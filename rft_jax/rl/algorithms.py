@@ -27,6 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 from rft_jax.parallel import host_array
 from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
+from rft_jax.rl.named_registry import Registry
 from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
 
 
@@ -154,15 +155,12 @@ class Gae(Algorithm):
                              batch.response_mask[:, 1:], *targets)
 
 
-ALGORITHMS: dict[str, Algorithm] = {}
+ALGORITHMS: Registry[Algorithm] = Registry("learner.advantage", "algorithm")
 
 
 def register_algorithm(entry: Algorithm) -> Algorithm:
   """Adds ``entry`` to :data:`ALGORITHMS` under its name (``learner.advantage``)."""
-  if entry.name in ALGORITHMS:
-    raise ValueError(f"algorithm {entry.name!r} is registered already")
-  ALGORITHMS[entry.name] = entry
-  return entry
+  return ALGORITHMS.add(entry.name, entry)
 
 
 for _name in ADVANTAGE_ESTIMATORS:
@@ -172,6 +170,4 @@ register_algorithm(Gae("gae"))
 
 def algorithm(advantage: str) -> Algorithm:
   """The entry of ``learner.advantage``; ``ValueError`` naming the key if there is none."""
-  if advantage not in ALGORITHMS:
-    raise ValueError(f"learner.advantage={advantage!r} is not one of {sorted(ALGORITHMS)}")
-  return ALGORITHMS[advantage]
+  return ALGORITHMS.entry(advantage)

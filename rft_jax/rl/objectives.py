@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from rft_jax.rl.gspo import GSPO_EPS_HIGH, GSPO_EPS_LOW, gspo_loss
 from rft_jax.rl.losses import PolicyLossTerms, ppo_clipped_loss
+from rft_jax.rl.named_registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,22 +53,17 @@ class Objective:
   per_token_loss: Callable[..., PolicyLossTerms]
 
 
-OBJECTIVES: dict[str, Objective] = {}
+OBJECTIVES: Registry[Objective] = Registry("learner.objective", "objective")
 
 
 def register_objective(entry: Objective) -> Objective:
-  """Adds ``entry`` to :data:`OBJECTIVES` (a name taken twice is an error)."""
-  if entry.name in OBJECTIVES:
-    raise ValueError(f"objective {entry.name!r} is registered twice")
-  OBJECTIVES[entry.name] = entry
-  return entry
+  """Adds ``entry`` to :data:`OBJECTIVES` (a name taken by another entry is an error)."""
+  return OBJECTIVES.add(entry.name, entry)
 
 
 def objective(name: str) -> Objective:
   """The entry of ``learner.objective``; ``ValueError`` naming the key if there is none."""
-  if name not in OBJECTIVES:
-    raise ValueError(f"learner.objective={name!r} is not one of {sorted(OBJECTIVES)}")
-  return OBJECTIVES[name]
+  return OBJECTIVES.entry(name)
 
 
 def _ppo(logp: Float[Array, "B T"], old_logp: Float[Array, "B T"], advantages: Float[Array, "B T"],

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rft_jax.rl.named_registry import Registry
+
 if TYPE_CHECKING:  # annotations only
   from rft_jax.entropy import TokenStats
 
@@ -121,18 +123,18 @@ class TokenMethod:
     return choice.weight == 0
 
 
-TOKEN_METHODS: dict[str, type[TokenMethod]] = {}
+# Every method, of both config keys (:func:`method_class` checks a name against its key's).
+TOKEN_METHODS: Registry[type[TokenMethod]] = Registry("learner.entropy_mask.kind / learner.entropy_method.kind",
+                                                      "token method")
 
 
 def register_token_method(name: str):
   """Class decorator: registers a :class:`TokenMethod` subclass under ``name``."""
 
   def register(cls: type[TokenMethod]) -> type[TokenMethod]:
-    if name in TOKEN_METHODS and TOKEN_METHODS[name] is not cls:
-      raise ValueError(f"token method {name!r} is already registered ({TOKEN_METHODS[name].__qualname__})")
+    TOKEN_METHODS.add(name, cls)
     cls.name = name
     cls.title = cls.__dict__.get("title") or name
-    TOKEN_METHODS[name] = cls
     return cls
 
   return register
