@@ -32,7 +32,7 @@ def run(checkpoint_dir: str) -> dict[str, np.ndarray]:
   from flax import nnx
 
   from rft_jax.parallel import host_array, make_mesh, shard_model
-  from rft_jax.rl.learner import Learner, LearnerBatch
+  from rft_jax.rl.learner import Learner, learner_batch
   from rft_jax.sampling import SamplingParams, generate
   from rft_jax.train.checkpoint import RunCheckpointer
   from test_learner import config
@@ -41,7 +41,6 @@ def run(checkpoint_dir: str) -> dict[str, np.ndarray]:
   model = shard_model(tiny_random_model(seed=3), mesh)
   params = SamplingParams(n=GROUP, temperature=1.0, max_new_tokens=8)
   rollouts = generate(model, PROMPTS, params, seed=7, mesh=mesh)
-  arrays = rollouts.to_learner_arrays()
   # The paged pool (the paper's configs): one pool per data shard, here one per process.
   paged = generate(model, PROMPTS, dataclasses.replace(params, kv_pages=16, page_size=4),
                    seed=7, mesh=mesh)
@@ -53,7 +52,7 @@ def run(checkpoint_dir: str) -> dict[str, np.ndarray]:
   groups = reward.reshape(-1, GROUP)
   advantages = ((groups - groups.mean(1, keepdims=True))
                 / (groups.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1).astype(np.float32)
-  batch = LearnerBatch(advantages=advantages, **arrays)
+  batch = learner_batch(rollouts, advantages=advantages)
 
   learner = Learner(model, config(micro_batch_size=4, forecast_every=0), mesh=mesh)
   state = learner.init(model)

@@ -13,9 +13,9 @@ import pytest
 from jax._src.array import ArrayImpl
 
 from rft_jax.parallel import make_mesh, shard_model
-from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.rl.learner import Learner, learner_batch
 from rft_jax.sampling import SamplingParams, generate
-from rft_jax.train.step_rollouts import batch_arrays
+from rft_jax.train.step_rollouts import chosen_batch
 from test_learner import config, tiny_model
 
 N = 2
@@ -65,7 +65,8 @@ def reference_batch(chosen):
   """The loop's earlier assembly: each part's full host arrays, each group's rows left-padded to
   the widest prompt bucket, concatenated, then leading all-padding columns trimmed to a
   multiple of 16."""
-  groups = [{k: v[rows] for k, v in rollouts.to_learner_arrays().items()} for rollouts, rows in chosen]
+  fields = ("input_ids", "attention_mask", "response_mask", "sampler_logp")
+  groups = [{k: getattr(learner_batch(rollouts), k)[rows] for k in fields} for rollouts, rows in chosen]
   width = max(g["input_ids"].shape[1] for g in groups)
   arrays = {k: np.concatenate([np.pad(g[k], ((0, 0), (width - g[k].shape[1], 0))) for g in groups])
             for k in groups[0]}
@@ -84,16 +85,17 @@ def chosen_groups(setup, on_device: bool):
 def test_the_batch_assembled_on_device_equals_the_host_assembly(setup, monkeypatch):
   expected = reference_batch(chosen_groups(setup, False))
   with host_reads(monkeypatch) as reads:
-    on_device = batch_arrays(chosen_groups(setup, True))
+    on_device = chosen_batch(chosen_groups(setup, True))
     assert not reads  # nothing of the completions came back
-  on_host = batch_arrays(chosen_groups(setup, False))
+  on_host = chosen_batch(chosen_groups(setup, False))
   assert expected["input_ids"].shape == (4 * N, 48)  # 33 + 12 used columns, to a multiple of 16
+  assert on_device.advantages is None and on_host.advantages is None  # the algorithm's to set
   for key, value in expected.items():
-    assert isinstance(on_device[key], jax.Array) and isinstance(on_host[key], np.ndarray)
-    np.testing.assert_array_equal(np.asarray(on_device[key]), value)
-    np.testing.assert_array_equal(on_host[key], value)
+    assert isinstance(getattr(on_device, key), jax.Array) and isinstance(getattr(on_host, key), np.ndarray)
+    np.testing.assert_array_equal(np.asarray(getattr(on_device, key)), value)
+    np.testing.assert_array_equal(getattr(on_host, key), value)
   single = [(g[0], g[1]) for g in chosen_groups(setup, True) if g[0] is setup.parts["short"][True]]
-  np.testing.assert_array_equal(np.asarray(batch_arrays(single)["input_ids"]),
+  np.testing.assert_array_equal(np.asarray(chosen_batch(single).input_ids),
                                 reference_batch(chosen_groups(setup, False)[1::2])["input_ids"])
 
 
@@ -101,14 +103,14 @@ def test_a_learner_step_on_the_device_batch_equals_one_on_host_arrays(setup, mon
   advantages = np.asarray([1.0, -1.0] * (2 * N // 2) * 2, np.float32)[:4 * N]
   metrics = {}
   for on_device in (False, True):
-    arrays = batch_arrays(chosen_groups(setup, on_device))
+    batch = chosen_batch(chosen_groups(setup, on_device))
     model = shard_model(tiny_model(), setup.mesh)  # the step donates its state: a fresh copy each
     learner = Learner(model, config(micro_batch_size=4), mesh=setup.mesh)
     state = learner.init(model)
     with host_reads(monkeypatch) as reads:
-      _, metrics[on_device] = learner.step(state, LearnerBatch(advantages=advantages, **arrays))
+      _, metrics[on_device] = learner.step(state, batch.replace(advantages=advantages))
     # Read back: the [L] column flags (device batch only) and scalar metrics, never a [B, L] array.
-    assert all(len(shape) <= 1 and (not shape or shape[0] <= arrays["input_ids"].shape[1]) for shape in reads)
+    assert all(len(shape) <= 1 and (not shape or shape[0] <= batch.input_ids.shape[1]) for shape in reads)
   for key, value in metrics[False].items():
     np.testing.assert_allclose(metrics[True][key], value, rtol=1e-6, atol=1e-7, err_msg=key)
 

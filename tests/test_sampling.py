@@ -16,7 +16,8 @@ from flax import nnx
 
 from hf_fixtures import hf_model, make_tiny_qwen
 from rft_jax.models import Qwen, QwenConfig, load_hf
-from rft_jax.sampling import SamplingParams, generate, learner_arrays, prompt_fingerprints
+from rft_jax.rl.learner import learner_batch
+from rft_jax.sampling import SamplingParams, generate, prompt_fingerprints
 from rft_jax.sampling import continuous, loop
 from rft_jax.sampling.generate import program_for
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for, segment_ends
@@ -149,16 +150,16 @@ def test_stop_tokens_end_completions(model):
     assert (out.logprobs[i, :length] < 0).all()
   assert out.completion_lengths[0] <= 4 and out.completion_lengths[2] <= 2
 
-  arrays = learner_arrays(out)
+  arrays = learner_batch(out)
   width = out.prompt_ids.shape[1]
-  assert arrays["input_ids"].shape == (len(PROMPTS), width + m)
+  assert arrays.input_ids.shape == (len(PROMPTS), width + m)
   for i, prompt in enumerate(PROMPTS):
     length = out.completion_lengths[i]
-    real = arrays["input_ids"][i][arrays["attention_mask"][i] == 1].tolist()
+    real = arrays.input_ids[i][arrays.attention_mask[i] == 1].tolist()
     assert real == prompt + out.completions()[i]
-    response = np.flatnonzero(arrays["response_mask"][i])
+    response = np.flatnonzero(arrays.response_mask[i])
     np.testing.assert_array_equal(response, width + np.arange(length))
-    np.testing.assert_array_equal(arrays["sampler_logp"][i, response],
+    np.testing.assert_array_equal(arrays.sampler_logp[i, response],
                                   out.logprobs[i, :length])
 
 
@@ -166,14 +167,14 @@ def test_logprobs_equal_a_full_forward(model):
   """Under softmax(z / T) of the full vocabulary, also with top-p / top-k truncation on."""
   for params in (dataclasses.replace(NUCLEUS, temperature=0.7, top_p=0.8, top_k=20), GREEDY):
     out = generate(model, PROMPTS, params, seed=4)
-    arrays = out.to_learner_arrays()
-    logits = np.asarray(_forward(model, jnp.asarray(arrays["input_ids"]),
-                                 jnp.asarray(arrays["attention_mask"])))
+    arrays = learner_batch(out)
+    logits = np.asarray(_forward(model, jnp.asarray(arrays.input_ids),
+                                 jnp.asarray(arrays.attention_mask)))
     scale = params.temperature or 1.0
     logp = _log_softmax(logits[:, :-1] / scale)
-    target = np.take_along_axis(logp, arrays["input_ids"][:, 1:, None], axis=-1)[..., 0]
-    mask = arrays["response_mask"][:, 1:] == 1
-    diff = np.abs(np.where(mask, target - arrays["sampler_logp"][:, 1:], 0.0)).max()
+    target = np.take_along_axis(logp, arrays.input_ids[:, 1:, None], axis=-1)[..., 0]
+    mask = arrays.response_mask[:, 1:] == 1
+    diff = np.abs(np.where(mask, target - arrays.sampler_logp[:, 1:], 0.0)).max()
     print(f"\n[T={params.temperature}] max |sampler logp - forward logp| = {diff:.1e}")
     assert diff <= 1e-4
 

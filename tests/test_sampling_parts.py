@@ -14,11 +14,11 @@ from rft_jax.sampling import (
     Strategy,
     batch_bucket,
     completion_keys,
-    learner_arrays,
     prompt_fingerprints,
     prompt_length_bucket,
     truncate,
 )
+from rft_jax.rl.learner import LearnerBatch, learner_batch
 from rft_jax.sampling.keys import step_uniforms
 
 
@@ -188,20 +188,25 @@ def _rollouts() -> Rollouts:
   )
 
 
-def test_learner_arrays_layout():
+def test_learner_batch_layout():
   r = _rollouts()
-  a = learner_arrays(r)
-  assert set(a) == {"input_ids", "attention_mask", "response_mask", "sampler_logp"}
-  np.testing.assert_array_equal(a["input_ids"][1], [0, 7, 8, 3, 4, 5, 6])
-  np.testing.assert_array_equal(a["attention_mask"][0], [0, 1, 1, 1, 1, 0, 0])
-  np.testing.assert_array_equal(a["response_mask"][3], [0, 0, 0, 1, 1, 1, 0])
-  np.testing.assert_array_equal(a["sampler_logp"][3], [0, 0, 0, -1, -2, -3, 0])
-  np.testing.assert_array_equal(a["input_ids"][2], [5, 6, 9, 2, 0, 0, 0])
-  assert a["input_ids"].dtype == np.int32 and a["sampler_logp"].dtype == np.float32
+  a = learner_batch(r)
+  assert isinstance(a, LearnerBatch) and a.advantages is None  # the algorithm sets them
+  np.testing.assert_array_equal(a.input_ids[1], [0, 7, 8, 3, 4, 5, 6])
+  np.testing.assert_array_equal(a.attention_mask[0], [0, 1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(a.response_mask[3], [0, 0, 0, 1, 1, 1, 0])
+  np.testing.assert_array_equal(a.sampler_logp[3], [0, 0, 0, -1, -2, -3, 0])
+  np.testing.assert_array_equal(a.input_ids[2], [5, 6, 9, 2, 0, 0, 0])
+  assert a.input_ids.dtype == np.int32 and a.sampler_logp.dtype == np.float32
   assert r.completions() == [[1, 2], [3, 4, 5, 6], [2], [7, 7, 2]]
   assert r.prompts() == [[7, 8], [5, 6, 9]] and len(r) == 4
-  for k, v in r.to_learner_arrays().items():
-    np.testing.assert_array_equal(v, a[k])
+  advantages = np.arange(4, dtype=np.float32)
+  np.testing.assert_array_equal(learner_batch(r, advantages=advantages).advantages, advantages)
+  wide = learner_batch(r, rows=[3, 0], prompt_width=4)  # these rows in this order, one padding column more
+  np.testing.assert_array_equal(wide.input_ids, np.pad(a.input_ids[[3, 0]], ((0, 0), (1, 0))))
+  np.testing.assert_array_equal(wide.sampler_logp[:, 1:], a.sampler_logp[[3, 0]])
+  with pytest.raises(ValueError, match="prompt_width=2 is narrower than a taken prompt"):
+    learner_batch(r, prompt_width=2)
 
 
 def test_rollouts_check_shapes_and_reasons():

@@ -164,22 +164,23 @@ def test_dynamic_sampling_refills_and_still_fills_the_batch(setup, tmp_path):
 def test_answer_entropy_equals_a_full_forward_in_any_block_size():
   import jax.numpy as jnp
 
+  from rft_jax.rl.learner import learner_batch
   from rft_jax.sampling import SamplingParams, generate
   from rft_jax.train.evaluate import answer_entropy
   from test_learner import tiny_model
 
   model = tiny_model()
   rollouts = generate(model, [[1, 2, 3], [4, 5], [6]], SamplingParams(n=3, max_new_tokens=6), seed=0)
-  arrays = rollouts.to_learner_arrays()
-  total, count = answer_entropy(model, arrays, 0.7, rows=4)  # 9 answers: blocks of 4, 4, 1 (+3 padding)
-  z = np.asarray(model(jnp.asarray(arrays["input_ids"]), jnp.asarray(arrays["attention_mask"])),
+  batch = learner_batch(rollouts)
+  total, count = answer_entropy(model, batch, 0.7, rows=4)  # 9 answers: blocks of 4, 4, 1 (+3 padding)
+  z = np.asarray(model(jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask)),
                  np.float64)[:, :-1] / 0.7
   logp = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
   entropy = -(np.exp(logp) * logp).sum(-1)
-  mask = arrays["response_mask"][:, 1:]
+  mask = batch.response_mask[:, 1:]
   assert count == mask.sum() == rollouts.completion_lengths.sum()
   np.testing.assert_allclose(total, (entropy * mask).sum(), rtol=1e-5)
-  np.testing.assert_allclose(answer_entropy(model, arrays, 0.7, rows=16), (total, count), rtol=1e-6)
+  np.testing.assert_allclose(answer_entropy(model, batch, 0.7, rows=16), (total, count), rtol=1e-6)
 
 
 def test_running_mean_of_the_plots():

@@ -4,7 +4,7 @@
 RL completions are long-tailed: lengths drawn geometric (stop with probability ``p = 1/200`` per
 token, mean ~200) truncated at the maximum. Shapes (``SHAPES``): ``a`` 128 rows, completions of
 at most 1,024 tokens; ``b`` 512 rows, at most 512; prompts of 16-48 random tokens left-padded to
-48, the completion block the full maximum (as the loop's ``batch_arrays`` gives the learner: the
+48, the completion block the full maximum (as the loop's ``chosen_batch`` gives the learner: the
 width rounded up to a multiple of 16). Models: ``MODELS`` of ``benchmarks/speed/learner_step.py``
 (``small`` ~5M and ``large`` ~40M parameters, float32, the peers' models).
 

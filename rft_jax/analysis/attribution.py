@@ -31,6 +31,7 @@ from rft_jax.entropy import token_stats
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
+from rft_jax.rl.learner import learner_batch
 from rft_jax.rl.token_methods import entropy_keep_mask
 from rft_jax.sampling import SamplingParams, generate
 
@@ -78,17 +79,17 @@ def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k
   scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
                        [int(x) for x in rollouts.completion_lengths], rewards)
   advantages = np.asarray(compute_advantages(jnp.asarray(scored.reward, jnp.float32), k))
-  arrays = rollouts.to_learner_arrays()
-  ids = jnp.asarray(arrays["input_ids"])
-  hidden = model(ids, jnp.asarray(arrays["attention_mask"]), return_hidden=True)
+  batch = learner_batch(rollouts)
+  ids = jnp.asarray(batch.input_ids)
+  hidden = model(ids, jnp.asarray(batch.attention_mask), return_hidden=True)
   stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding(), temperature=temperature)
-  response = jnp.asarray(arrays["response_mask"][:, 1:], jnp.float32)
+  response = jnp.asarray(batch.response_mask[:, 1:], jnp.float32)
   token_adv = jnp.asarray(advantages)[:, None] * response
-  keep = entropy_keep_mask(LearnerConfig(entropy_mask=mask), stats, jnp.asarray(arrays["sampler_logp"][:, 1:]),
+  keep = entropy_keep_mask(LearnerConfig(entropy_mask=mask), stats, jnp.asarray(batch.sampler_logp[:, 1:]),
                            token_adv, response)
   forecast = np.asarray(-lr * token_adv * stats.centered)
   stats, keep = [np.asarray(x) for x in stats], np.asarray(keep)
-  start = arrays["input_ids"].shape[1] - rollouts.completion_ids.shape[1] - 1  # position predicting the first
+  start = batch.input_ids.shape[1] - rollouts.completion_ids.shape[1] - 1  # position predicting the first
   out = []
   for row, (example, text) in enumerate(zip(examples, texts)):
     n = int(rollouts.completion_lengths[row])

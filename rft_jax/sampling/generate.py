@@ -5,7 +5,7 @@
   params = SamplingParams(n=8, temperature=1.0, max_new_tokens=1024,
                           stop_token_ids=tuple(tokenizer_eos_ids))
   rollouts = generate(learner.model(state), prompt_token_ids, params, seed=step, mesh=mesh)
-  batch = rollouts.to_learner_arrays()   # + advantages -> LearnerBatch
+  batch = learner_batch(rollouts, advantages=...)   # rft_jax.rl.learner: the learner's batch
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
     cache_dtype: KV cache dtype (default: the model's compute dtype).
     keep_on_device: leave the log-probabilities (and a copy of the token ids) on the devices,
       as :attr:`Rollouts.on_device`, for a learner's batch assembled there
-      (:func:`~rft_jax.sampling.learner_arrays`); only the token ids and lengths come to the host.
+      (:func:`rft_jax.rl.learner.learner_batch`); only the token ids and lengths come to the host.
 
   Returns:
     :class:`Rollouts`, prompt by prompt, ``n`` completions each.

@@ -1,9 +1,10 @@
-"""Sampled completions, and their layout for the learner.
+"""Sampled completions, typed: :class:`Rollouts`.
 
 The token ids always come to the host (the rewards read their text). With
 ``generate(..., keep_on_device=True)`` the log-probabilities stay on the sampler's devices, with a
-copy of the token ids, and :func:`learner_arrays` assembles the learner's batch there: only the
-prompts and the lengths go up, nothing of the completions comes back down.
+copy of the token ids, and the learner's batch is assembled there
+(:func:`rft_jax.rl.learner.learner_batch`, which reads these fields): only the prompts and the
+lengths go up, nothing of the completions comes back down.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 FINISH_REASONS = ("stop", "length")
@@ -87,10 +87,6 @@ class Rollouts:
     p = self.prompt_ids.shape[1]
     return [row[p - k:].tolist() for row, k in zip(self.prompt_ids, self.prompt_lengths)]
 
-  def to_learner_arrays(self) -> dict:
-    """:func:`learner_arrays` of these rollouts."""
-    return learner_arrays(self)
-
 
 @dataclasses.dataclass(frozen=True)
 class OnDevice:
@@ -103,61 +99,3 @@ class OnDevice:
 
   completion_ids: jax.Array
   logprobs: jax.Array
-
-
-def learner_arrays(rollouts: Rollouts, rows=None, prompt_width: int | None = None) -> dict:
-  """The token arrays of the learner's batch (every field but the advantages), ``[K, W + M]``.
-
-  Column ``t`` of every array describes token ``input_ids[:, t]``:
-
-  * ``input_ids``: the completion's prompt (left-padded) followed by the completion
-    (right-padded); int32.
-  * ``attention_mask``: 1 on real prompt and completion tokens; int32.
-  * ``response_mask``: 1 on completion tokens, the stop token included; int32.
-  * ``sampler_logp``: the sampler's log-probability of the token (see
-    :attr:`Rollouts.logprobs`), 0 off the completion; float32.
-
-  Args:
-    rollouts: the :class:`Rollouts`.
-    rows: ``[K]`` the completions to take, in this order (default: all, ``K = N``).
-    prompt_width: ``W``, the prompt block's width (default ``P``): fewer columns drop leading
-      padding (it must hold every taken prompt), more add some.
-
-  Returns:
-    numpy arrays; ``jax.Array`` s computed on the sampler's devices when the rollouts are
-    :attr:`~Rollouts.on_device` (only the prompts and lengths are sent there).
-  """
-  r = rollouts
-  rows = np.arange(len(r)) if rows is None else np.asarray(rows, np.int32)
-  p = r.prompt_ids.shape[1]
-  width = p if prompt_width is None else int(prompt_width)
-  prompt_lengths = r.prompt_lengths[r.prompt_index[rows]]
-  if rows.size and prompt_lengths.max() > width:
-    raise ValueError(f"learner_arrays: prompt_width={width} is narrower than a taken prompt "
-                     f"({prompt_lengths.max()} tokens)")
-  prompt_ids = np.pad(r.prompt_ids, ((0, 0), (max(width - p, 0), 0)))[:, max(p - width, 0):]
-  prompt_ids = prompt_ids[r.prompt_index[rows]]  # the last `width` columns, each row's prompt
-  prompt_mask = (np.arange(width)[None] >= (width - prompt_lengths)[:, None]).astype(np.int32)
-  lengths = r.completion_lengths[rows]
-  if r.on_device is None:
-    return _assemble(np, prompt_ids, prompt_mask, r.completion_ids[rows], r.logprobs[rows], lengths)
-  return _assemble_on_device(prompt_ids, prompt_mask, r.on_device.completion_ids,
-                             r.on_device.logprobs, rows, lengths)
-
-
-def _assemble(xp, prompt_ids, prompt_mask, completion_ids, logprobs, lengths) -> dict:
-  """:func:`learner_arrays`' layout in numpy (``xp = np``) or traced JAX (``xp = jnp``)."""
-  m = completion_ids.shape[1]
-  completion_mask = (xp.arange(m)[None] < lengths[:, None]).astype(xp.int32)
-  return {
-      "input_ids": xp.concatenate([prompt_ids, completion_ids], axis=1).astype(xp.int32),
-      "attention_mask": xp.concatenate([prompt_mask, completion_mask], axis=1),
-      "response_mask": xp.concatenate([xp.zeros_like(prompt_mask), completion_mask], axis=1),
-      "sampler_logp": xp.concatenate([xp.zeros(prompt_mask.shape, xp.float32),
-                                      logprobs * completion_mask], axis=1).astype(xp.float32),
-  }
-
-
-@jax.jit
-def _assemble_on_device(prompt_ids, prompt_mask, completion_ids, logprobs, rows, lengths) -> dict:
-  return _assemble(jnp, prompt_ids, prompt_mask, completion_ids[rows], logprobs[rows], lengths)

@@ -25,6 +25,7 @@ from rft_jax.eval import avg_at_k, pass_at_k_from_samples
 from rft_jax.parallel import global_array, host_array
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rewards.user_functions import example_rows
+from rft_jax.rl.learner import LearnerBatch, learner_batch
 from rft_jax.sampling import SamplingParams, generate
 
 
@@ -63,7 +64,7 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
                   for i, p in enumerate(rollouts.prompt_index)]
     lengths.append(rollouts.completion_lengths)
     if entropy_temperature is not None:
-      total, count = answer_entropy(model, rollouts.to_learner_arrays(), entropy_temperature,
+      total, count = answer_entropy(model, learner_batch(rollouts), entropy_temperature,
                                     entropy_rows, mesh)
       entropy_sum, entropy_count = entropy_sum + total, entropy_count + count
   matrix = np.concatenate(correct) if correct else np.zeros((0, k), bool)
@@ -84,17 +85,17 @@ def _entropy_sums(model, input_ids, attention_mask, response_mask, temperature: 
   return jnp.sum(stats.entropy * mask), jnp.sum(mask)
 
 
-def answer_entropy(model, arrays: dict[str, np.ndarray], temperature: float, rows: int,
+def answer_entropy(model, batch: LearnerBatch, temperature: float, rows: int,
                    mesh=None) -> tuple[float, float]:
-  """``(sum of entropies, number of answer tokens)`` of ``learner_arrays``-layout answers, ``rows``
+  """``(sum of entropies, number of answer tokens)`` of a batch's answers (its advantages unused), ``rows``
   at a time (the last block zero-padded, so one compiled program serves every block); with a
   mesh (the model's) the block's rows are split over its ``data`` axis (``rows`` rounded up to
   a multiple of it), as the learner's are."""
   if mesh is not None:
     rows = -(-rows // mesh.shape["data"]) * mesh.shape["data"]
   total = count = 0.0
-  for start in range(0, len(arrays["input_ids"]), rows):
-    block = [arrays[k][start:start + rows] for k in ("input_ids", "attention_mask", "response_mask")]
+  for start in range(0, len(batch.input_ids), rows):
+    block = [v[start:start + rows] for v in (batch.input_ids, batch.attention_mask, batch.response_mask)]
     block = [np.pad(v, ((0, rows - len(v)), (0, 0))) for v in block]
     block = [jnp.asarray(v) if mesh is None else global_array(v, NamedSharding(mesh, P("data")))
              for v in block]

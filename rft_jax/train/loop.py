@@ -29,7 +29,6 @@ from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.algorithms import AdvantageInputs, CriticRun
 from rft_jax.rl.critic import ActorCriticState
-from rft_jax.rl.learner import LearnerBatch
 from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
@@ -49,7 +48,7 @@ from rft_jax.train.status import logger
 from rft_jax.train.step_rollouts import (
     SampledRound,
     StepRollouts,
-    batch_arrays,
+    chosen_batch,
     check_reward_failures,
     gather,
     row_advantages,
@@ -100,15 +99,15 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
   n = cfg.sampling.n
   rounds = sample_rounds(run, state, step)  # 1. sample and score
   chosen = select_groups(rounds, n, cfg.data.prompts_per_step, cfg.dynamic_sampling)  # 2. select
-  arrays = batch_arrays([(g.round.rollouts, g.rows) for g in chosen])
+  # Device arrays where the sampler left them: the learner lays them out on its mesh.
+  batch = chosen_batch([(g.round.rollouts, g.rows) for g in chosen])
   rewards = gather(chosen, "reward").astype(np.float32)
   correct = gather(chosen, "correct").astype(bool)
-  inputs = AdvantageInputs(rewards, correct, arrays["input_ids"], arrays["attention_mask"],
-                           arrays["response_mask"], arrays["sampler_logp"])
+  inputs = AdvantageInputs(rewards, correct, batch.input_ids, batch.attention_mask, batch.response_mask,
+                           batch.sampler_logp)
   critic = critic_run(run, state.critic if run.critic is not None else None)
   result = cfg.learner.algorithm.advantages(inputs, n, cfg.learner, critic)  # 3. advantages
-  # Device arrays where the sampler left them: the learner lays them out on its mesh.
-  batch = LearnerBatch(advantages=result.advantages, **arrays)
+  batch = batch.replace(advantages=result.advantages)
   return StepRollouts(rounds, chosen, rewards, correct, batch, result.critic_targets)
 
 

@@ -2,9 +2,9 @@
 
 A step samples one or more rounds (:class:`SampledRound`: the first, then dynamic sampling's
 refills), each a sampler call with its texts and rewards; groups of ``sampling.n`` completions are
-selected from them (:func:`select_groups`); their rows are assembled into the learner's arrays
-where the rollouts are (:func:`batch_arrays`); advantages turn them into a
-:class:`~rft_jax.rl.learner.LearnerBatch`. :class:`StepRollouts` carries all of it, and gives the
+selected from them (:func:`select_groups`); their rows are assembled into the learner's batch
+where the rollouts are (:func:`chosen_batch`, with :func:`~rft_jax.rl.learner.learner_batch`); the
+algorithm's advantages complete it. :class:`StepRollouts` carries all of it, and gives the
 per-completion records and metrics the loop logs.
 """
 
@@ -20,8 +20,7 @@ import numpy as np
 from rft_jax.parallel import host_array
 from rft_jax.rewards import RewardConfig
 from rft_jax.rewards.score import RewardResult
-from rft_jax.rl.learner import LearnerBatch
-from rft_jax.sampling import learner_arrays
+from rft_jax.rl.learner import LearnerBatch, learner_batch
 from rft_jax.sampling.rollouts import Rollouts
 from rft_jax.train.errors import RewardError
 
@@ -75,10 +74,10 @@ def width_multiple(width: int, most_padding: float = 1 / 32, least: int = 16) ->
   return multiple
 
 
-def batch_arrays(chosen: list[tuple[Rollouts, slice]], multiple: int | None = None) -> dict:
-  """The learner arrays (:func:`~rft_jax.sampling.learner_arrays`) of the ``chosen`` rows
-  (``(rollouts, rows)`` per group), in their order, assembled where the rollouts are (on the
-  devices in a run).
+def chosen_batch(chosen: list[tuple[Rollouts, slice]], multiple: int | None = None) -> LearnerBatch:
+  """The learner's batch (:func:`~rft_jax.rl.learner.learner_batch`, without advantages) of the
+  ``chosen`` rows (``(rollouts, rows)`` per group), in their order, assembled where the rollouts
+  are (on the devices in a run).
 
   The prompt block is as narrow as the longest chosen prompt allows while the full width stays
   a multiple of ``multiple`` (None: :func:`width_multiple` of the width; a few learner programs
@@ -94,14 +93,14 @@ def batch_arrays(chosen: list[tuple[Rollouts, slice]], multiple: int | None = No
   width = min(bucket, -(-(completion + longest) // multiple) * multiple - completion)
   calls = list({id(rollouts): rollouts for rollouts, _ in chosen}.values())  # in order of first use
   rows = {id(call): [i for r, s in chosen if r is call for i in range(s.start, s.stop)] for call in calls}
-  pieces = [learner_arrays(call, rows[id(call)], width) for call in calls]
+  pieces = [learner_batch(call, rows[id(call)], width) for call in calls]
   if len(pieces) == 1:
     return pieces[0]
   # Call by call, then back to the groups' order (refills' groups may come between a call's).
   place = {key: i for i, key in enumerate((id(call), row) for call in calls for row in rows[id(call)])}
   order = np.asarray([place[id(r), i] for r, s in chosen for i in range(s.start, s.stop)])
-  xp = jnp if isinstance(pieces[0]["input_ids"], jax.Array) else np
-  return {k: xp.concatenate([piece[k] for piece in pieces])[order] for k in pieces[0]}
+  xp = jnp if isinstance(pieces[0].input_ids, jax.Array) else np
+  return jax.tree.map(lambda *columns: xp.concatenate(columns)[order], *pieces)
 
 
 def check_reward_failures(scores: list[RewardResult], step: int, rewards: RewardConfig) -> None:

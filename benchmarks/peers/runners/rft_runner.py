@@ -5,7 +5,7 @@ learner: ``Learner.step`` on the saved batch: one update (LearnerConfig defaults
   token-mean loss, clip 0.2, AdamW, global-norm clip 1.0, its default micro-batch; the entropy
   statistics computed, no entropy mask, no forecast), metrics read back.
 e2e: ``generate`` 8 prompts x 4 samples from the current parameters, rewards and group
-  advantages on the host, ``learner_arrays``, ``Learner.step``.
+  advantages on the host, ``learner_batch``, ``Learner.step``.
 longtail_128 / longtail_512: ``generate`` of the spec's long-tailed work (``peers.spec.LONGTAIL``:
   n = 8 samples a prompt, its stop tokens), with the spec's ``scheduler`` and ``decode_slots``
   (``RFT_JAX_BENCH_SCHEDULER`` in the environment overrides the scheduler).
@@ -30,10 +30,9 @@ import jax.numpy as jnp  # noqa: E402
 from common import decode_steps, group_advantages, load_batch, reward, serve  # noqa: E402
 from rft_jax.models import cpu_attention, load_hf  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
-from rft_jax.rl.learner import Learner, LearnerBatch  # noqa: E402
+from rft_jax.rl.learner import Learner, LearnerBatch, learner_batch  # noqa: E402
 from rft_jax.rl.optimizer import OptimizerConfig  # noqa: E402
 from rft_jax.sampling import SamplingParams, generate  # noqa: E402
-from rft_jax.sampling.rollouts import learner_arrays  # noqa: E402
 
 
 SETTINGS: dict[str, str] = {}
@@ -68,10 +67,8 @@ def setup(spec: dict) -> dict:
   def e2e(seed: int) -> int:
     out = generate(learner.model(state["train"]), spec["group_prompts"], group_params, seed=seed)
     rewards = [reward(c, vocab) for c in out.completions()]
-    a = learner_arrays(out)
-    step_batch = LearnerBatch(advantages=jnp.asarray(group_advantages(rewards, spec["group_size"]),
-                                                     jnp.float32),
-                              **{k: jnp.asarray(v) for k, v in a.items()})
+    advantages = jnp.asarray(group_advantages(rewards, spec["group_size"]), jnp.float32)
+    step_batch = jax.tree.map(jnp.asarray, learner_batch(out, advantages=advantages))
     state["train"], _ = learner.step(state["train"], step_batch)
     jax.block_until_ready(state["train"].params)
     return int(out.completion_lengths.sum())

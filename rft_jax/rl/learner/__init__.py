@@ -1,7 +1,7 @@
 r"""The GRPO learner: one compiled train step over a batch of rollouts (:class:`Learner`).
 
-The package, by concern: ``batch.py`` (:class:`LearnerBatch` and the layout of its per-token
-arrays), ``plan.py`` (the step plan: micro-batches, forward passes, token choices and the
+The package, by concern: ``batch.py`` (:class:`LearnerBatch`, built from the sampler's typed
+rollouts by :func:`learner_batch`, and the layout of its per-token arrays), ``plan.py`` (the step plan: micro-batches, forward passes, token choices and the
 micro-batch loss), ``metrics.py`` (metrics and the entropy-change forecasts), ``placement.py``
 (shardings and compilation) and ``learner.py`` (:class:`Learner`, composing them).
 
@@ -61,8 +61,8 @@ the unembedding and ``token_stats``. Every ``[B, L-1]`` per-token array of the s
 ``[B, L-1-p]`` with ``p = max(column - 1, 0)`` (position ``t`` predicts token ``t + 1``).
 """
 
-from rft_jax.rl.learner.batch import LearnerBatch
+from rft_jax.rl.learner.batch import LearnerBatch, SampledRollouts, learner_batch
 from rft_jax.rl.learner.learner import Learner
 from rft_jax.rl.model_trainer import TrainState
 
-__all__ = ["Learner", "LearnerBatch", "TrainState"]
+__all__ = ["Learner", "LearnerBatch", "SampledRollouts", "TrainState", "learner_batch"]

@@ -1,14 +1,16 @@
-"""The learner's batch and its layout: :class:`LearnerBatch` (aligned with ``input_ids``, ``[B, L]``)
-and the ``[B, L-1-p]`` per-token arrays a step computes on, from the position predicting the
-batch's first completion column on (``rft_jax.rl.batching.first_stats_position``)."""
+"""The learner's batch and its layout: :class:`LearnerBatch` (aligned with ``input_ids``, ``[B, L]``),
+built from a sampler's typed rollouts by :func:`learner_batch` (the one place that knows the
+layout), and the ``[B, L-1-p]`` per-token arrays a step computes on, from the position
+predicting the batch's first completion column on (``rft_jax.rl.batching.first_stats_position``)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -20,7 +22,9 @@ class LearnerBatch:
     attention_mask: ``[B, L]`` 1 on real tokens.
     response_mask: ``[B, L]`` 1 on completion tokens that count in the loss.
     advantages: ``[B]`` one advantage per completion (GRPO), or ``[B, L]`` one per token, aligned
-      with ``input_ids`` (PPO's GAE advantages; read on the completion tokens only).
+      with ``input_ids`` (PPO's GAE advantages; read on the completion tokens only). None in a
+      batch :func:`learner_batch` built without them, until the algorithm's advantages are set
+      (``batch.replace(advantages=...)``); a step needs them.
     sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
       ``logp_mismatch`` metric; the rollout correction's pi_rollout; the entropy mask's S_* with
       ``entropy_mask.logp_source=sampler``).
@@ -29,8 +33,92 @@ class LearnerBatch:
   input_ids: jax.Array
   attention_mask: jax.Array
   response_mask: jax.Array
-  advantages: jax.Array
+  advantages: Optional[jax.Array]
   sampler_logp: jax.Array
+
+
+class SampledRollouts(Protocol):
+  """The typed rollouts a learner's batch is built from: ``B`` prompts, ``N`` completions
+  (``rft_jax.sampling.Rollouts`` is one; ``rl/`` names what it reads without importing the sampler).
+
+  Attributes:
+    prompt_ids: ``[B, P]`` int32 prompts, left-padded.
+    prompt_lengths: ``[B]`` real prompt tokens.
+    completion_ids: ``[N, M]`` int32 completions, right-padded (the stop token included).
+    completion_lengths: ``[N]`` tokens per completion.
+    logprobs: ``[N, M]`` the sampler's log-probability of each completion token, or None when
+      they stay on the sampler's devices (``on_device``).
+    prompt_index: ``[N]`` the prompt (row of ``prompt_ids``) of each completion.
+    on_device: None, or the completions left on the devices: ``completion_ids`` and
+      ``logprobs``, ``[N, M]`` ``jax.Array`` s.
+  """
+
+  prompt_ids: np.ndarray
+  prompt_lengths: np.ndarray
+  completion_ids: np.ndarray
+  completion_lengths: np.ndarray
+  logprobs: Optional[np.ndarray]
+  prompt_index: np.ndarray
+  on_device: Any
+
+
+def learner_batch(rollouts: SampledRollouts, rows=None, prompt_width: int | None = None,
+                  advantages: jax.Array | None = None) -> LearnerBatch:
+  """The learner's batch of ``rollouts``' completions ``rows``, ``[K, W + M]``.
+
+  Column ``t`` of every array describes token ``input_ids[:, t]``: the completion's prompt
+  (left-padded to ``W`` columns) followed by the completion (right-padded to ``M``);
+  ``attention_mask`` is 1 on real prompt and completion tokens, ``response_mask`` on completion
+  tokens (the stop token included), ``sampler_logp`` the sampler's log-probability of the
+  completion tokens (0 elsewhere).
+
+  Args:
+    rollouts: the sampled rollouts (:class:`SampledRollouts`).
+    rows: ``[K]`` the completions to take, in this order (default: all, ``K = N``).
+    prompt_width: ``W``, the prompt block's width (default ``P``): fewer columns drop leading
+      padding (it must hold every taken prompt), more add some.
+    advantages: ``[K]`` or ``[K, W + M]``; None: set later (``batch.replace(advantages=...)``).
+
+  Returns:
+    numpy arrays; ``jax.Array`` s computed on the sampler's devices when the rollouts are
+    ``on_device`` (only the prompts and lengths are sent there, nothing comes back).
+  """
+  r = rollouts
+  rows = np.arange(len(r.completion_ids)) if rows is None else np.asarray(rows, np.int32)
+  p = r.prompt_ids.shape[1]
+  width = p if prompt_width is None else int(prompt_width)
+  prompt_lengths = r.prompt_lengths[r.prompt_index[rows]]
+  if rows.size and prompt_lengths.max() > width:
+    raise ValueError(f"learner_batch: prompt_width={width} is narrower than a taken prompt "
+                     f"({prompt_lengths.max()} tokens)")
+  prompt_ids = np.pad(r.prompt_ids, ((0, 0), (max(width - p, 0), 0)))[:, max(p - width, 0):]
+  prompt_ids = prompt_ids[r.prompt_index[rows]]  # the last `width` columns, each row's prompt
+  prompt_mask = (np.arange(width)[None] >= (width - prompt_lengths)[:, None]).astype(np.int32)
+  lengths = r.completion_lengths[rows]
+  if r.on_device is None:
+    batch = _assemble(np, prompt_ids, prompt_mask, r.completion_ids[rows], r.logprobs[rows], lengths)
+  else:
+    batch = _assemble_on_device(prompt_ids, prompt_mask, r.on_device.completion_ids, r.on_device.logprobs,
+                                rows, lengths)
+  return batch if advantages is None else batch.replace(advantages=advantages)
+
+
+def _assemble(xp, prompt_ids, prompt_mask, completion_ids, logprobs, lengths) -> LearnerBatch:
+  """:func:`learner_batch`'s layout in numpy (``xp = np``) or traced JAX (``xp = jnp``)."""
+  m = completion_ids.shape[1]
+  completion_mask = (xp.arange(m)[None] < lengths[:, None]).astype(xp.int32)
+  return LearnerBatch(
+      input_ids=xp.concatenate([prompt_ids, completion_ids], axis=1).astype(xp.int32),
+      attention_mask=xp.concatenate([prompt_mask, completion_mask], axis=1),
+      response_mask=xp.concatenate([xp.zeros_like(prompt_mask), completion_mask], axis=1),
+      advantages=None,
+      sampler_logp=xp.concatenate([xp.zeros(prompt_mask.shape, xp.float32),
+                                   logprobs * completion_mask], axis=1).astype(xp.float32))
+
+
+@jax.jit
+def _assemble_on_device(prompt_ids, prompt_mask, completion_ids, logprobs, rows, lengths) -> LearnerBatch:
+  return _assemble(jnp, prompt_ids, prompt_mask, completion_ids[rows], logprobs[rows], lengths)
 
 
 class StepTokens(NamedTuple):
