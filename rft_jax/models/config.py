@@ -1,7 +1,9 @@
-"""Architecture of a Qwen2 / Qwen2.5 / Qwen3 decoder, read from and written to an HF `config.json`.
+"""Architecture of a Qwen2 / Qwen2.5 / Qwen3 decoder, dense or mixture-of-experts (Qwen2-MoE,
+Qwen3-MoE), read from and written to an HF `config.json`.
 
-One frozen dataclass describes both families; the model reads features (``attention_bias``,
-``qk_norm``), never family names. ``from_hf_dict`` accepts the legacy (``rope_theta`` /
+One frozen dataclass describes every family; the model reads features (``attention_bias``,
+``qk_norm``, ``num_experts``), never family names. The MoE keys are read, written and checked by
+:mod:`rft_jax.models.moe_config`. ``from_hf_dict`` accepts the legacy (``rope_theta`` /
 ``rope_scaling``) and the transformers 5.x (``rope_parameters``) spellings of the RoPE settings
 and rejects what the decoder does not implement (scaled RoPE, sliding windows, other
 activations) with an error naming the field and its value.
@@ -16,9 +18,11 @@ import jax.numpy as jnp
 
 from rft_jax.models.errors import CheckpointError
 from rft_jax.models.lora import LoraConfig
+from rft_jax.models.moe_config import (ARCHITECTURES as MOE_ARCHITECTURES, MOE_MODEL_TYPES,
+                                       check_moe, moe_fields_from_hf, moe_fields_to_hf)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3") + MOE_MODEL_TYPES
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_ARCHITECTURES}
 QWEN_BOS = 151643  # <|endoftext|>
 QWEN_EOS = 151645  # <|im_end|>
 # Implementations of the causal self-attention (rft_jax.models.attention.causal_self_attention).
@@ -34,10 +38,12 @@ class QwenConfig:
   """Shapes and options of the decoder.
 
   Attributes:
-    model_type: ``'qwen2'`` (Qwen2, Qwen2.5) or ``'qwen3'``.
+    model_type: ``'qwen2'`` (Qwen2, Qwen2.5), ``'qwen3'``, or their mixture-of-experts forms
+      ``'qwen2_moe'`` (Qwen1.5-MoE, Qwen2-MoE) and ``'qwen3_moe'`` (Qwen3-30B-A3B, ...).
     vocab_size: V, rows of the embedding table.
     hidden_size: D, the residual width.
-    intermediate_size: F, the SwiGLU width.
+    intermediate_size: F, the SwiGLU width (of dense layers; an MoE model has none, its
+      config.json still gives it).
     num_hidden_layers: L.
     num_attention_heads: N query heads.
     num_key_value_heads: K key/value heads; N must be a multiple of K (grouped-query attention).
@@ -62,6 +68,17 @@ class QwenConfig:
       kernels in Pallas' interpret mode, on any backend: for tests). It chooses the step on a
       dense KV cache: CPUs decode feature-major (:mod:`rft_jax.models.feature_major`) and a paged
       cache (``sampling.kv_pages``) with its paged attention, whatever this says.
+    num_experts: E routed experts per MoE layer (0: a dense model).
+    num_experts_per_tok: k experts each token is routed to.
+    moe_intermediate_size: I, each expert's SwiGLU width.
+    norm_topk_prob: the k routing weights are renormalised to sum to 1 (else the softmax's).
+    decoder_sparse_step, mlp_only_layers: which layers are sparse in HF (``(i + 1) % step == 0``
+      and ``i`` not listed); only every layer (1 and ``()``) is supported.
+    router_aux_loss_coef: weight of the load-balancing loss
+      (:func:`rft_jax.models.moe.load_balancing_loss`) in HF's training loss.
+    output_router_logits: HF's switch to return the router logits (written back as read).
+    shared_expert_intermediate_size: the width of Qwen2-MoE's shared expert, gated by a sigmoid
+      (0: none, as Qwen3-MoE).
     lora: LoRA adapters on the projections (:class:`~rft_jax.models.lora.LoraConfig`); None:
       none. Not part of the architecture: ``config.json`` never holds it (an export merges the
       adapters, :mod:`rft_jax.models.lora_model`).
@@ -89,6 +106,15 @@ class QwenConfig:
   remat: bool = False
   attention: str = "auto"
   decode_kernels: str = "auto"
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.001
+  output_router_logits: bool = False
+  shared_expert_intermediate_size: int = 0
   lora: LoraConfig | None = None
 
   def __post_init__(self):
@@ -96,7 +122,7 @@ class QwenConfig:
       raise CheckpointError(
           f"config.json: unsupported model_type {self.model_type!r}; "
           f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    qwen3 = self.model_type == "qwen3"
+    qwen3 = self.family == "qwen3"
     defaults = {
         "head_dim": self.hidden_size // self.num_attention_heads,
         "attention_bias": not qwen3,
@@ -110,6 +136,7 @@ class QwenConfig:
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
     if self.attention not in ATTENTION_KINDS:
       raise ValueError(f"QwenConfig: attention={self.attention!r} is not one of {ATTENTION_KINDS}")
     if self.decode_kernels not in DECODE_KERNEL_KINDS:
@@ -121,10 +148,12 @@ class QwenConfig:
           f"num_key_value_heads={self.num_key_value_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-    # What Hugging Face can represent: Qwen2 hard-codes q/k/v biases, Qwen3 has one switch for
-    # all four projections and always normalises q and k.
+    # What Hugging Face can represent: Qwen2 hard-codes q/k/v biases (Qwen2-MoE has a switch,
+    # qkv_bias), Qwen3 has one switch for all four projections and always normalises q and k.
     if qwen3:
       family = {"qk_norm": True, "attention_out_bias": self.attention_bias}
+    elif self.is_moe:
+      family = {"qk_norm": False, "attention_out_bias": False}
     else:
       family = {"qk_norm": False, "attention_bias": True, "attention_out_bias": False}
     for name, want in family.items():
@@ -132,9 +161,20 @@ class QwenConfig:
         raise ValueError(
             f"QwenConfig: {name}={getattr(self, name)} is not expressible for model_type "
             f"{self.model_type!r} (expected {want})")
+    check_moe(self)
 
   # --------------------------------------------------------------------------------------------
   # Derived sizes.
+
+  @property
+  def family(self) -> str:
+    """``'qwen2'`` or ``'qwen3'``: the attention's family (an MoE model type without ``_moe``)."""
+    return self.model_type.removesuffix("_moe")
+
+  @property
+  def is_moe(self) -> bool:
+    """The decoder's feed-forward blocks are mixtures of experts (:mod:`rft_jax.models.moe`)."""
+    return self.model_type in MOE_MODEL_TYPES
 
   @property
   def num_groups(self) -> int:
@@ -159,7 +199,8 @@ class QwenConfig:
     Raises:
       CheckpointError: not a JSON object, a missing or mistyped size, or an unsupported
       ``model_type``, RoPE scaling kind, sliding window or activation; or sizes the decoder
-      cannot use (heads not a multiple of key/value heads, an odd head dimension).
+      cannot use (heads not a multiple of key/value heads, an odd head dimension); MoE keys
+      the block does not implement (:func:`~rft_jax.models.moe_config.moe_fields_from_hf`).
     """
     if not isinstance(d, dict):
       raise CheckpointError(f"config.json: the top level must be a JSON object, not a {type(d).__name__}")
@@ -197,7 +238,11 @@ class QwenConfig:
     if act != "silu":
       raise CheckpointError(f"config.json: unsupported hidden_act {act!r}; expected 'silu'")
     heads = d["num_attention_heads"]
-    attention_bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
+    family = model_type.removesuffix("_moe")
+    if model_type == "qwen2_moe":
+      attention_bias = bool(d.get("qkv_bias", True))
+    else:
+      attention_bias = True if family == "qwen2" else bool(d.get("attention_bias", False))
     return cls(
         model_type=model_type,
         vocab_size=d["vocab_size"],
@@ -211,11 +256,12 @@ class QwenConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        attention_out_bias=model_type == "qwen3" and attention_bias,
-        qk_norm=model_type == "qwen3",
+        attention_out_bias=family == "qwen3" and attention_bias,
+        qk_norm=family == "qwen3",
         max_position_embeddings=d.get("max_position_embeddings", 32768),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
+        **moe_fields_from_hf(d, model_type),
         **runtime,
     )
 
@@ -247,9 +293,11 @@ class QwenConfig:
         "torch_dtype": self.param_dtype.name,
         "use_cache": True,
     }
-    if self.model_type == "qwen3":
+    if self.family == "qwen3":
       d["attention_bias"] = self.attention_bias
-    return d
+    elif self.is_moe:
+      d["qkv_bias"] = self.attention_bias
+    return {**d, **moe_fields_to_hf(self)}
 
   # --------------------------------------------------------------------------------------------
   # Presets: the published Hugging Face configs.
@@ -274,6 +322,13 @@ class QwenConfig:
     """Qwen/Qwen3-4B."""
     return cls("qwen3", 151936, 2560, 9728, 36, 32, 8, head_dim=128, tie_word_embeddings=True,
                max_position_embeddings=40960, **runtime)
+
+  @classmethod
+  def qwen3_30b_a3b(cls, **runtime) -> QwenConfig:
+    """Qwen/Qwen3-30B-A3B: 48 MoE layers of 128 experts, 8 per token (3B active parameters)."""
+    return cls("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, head_dim=128,
+               max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+               moe_intermediate_size=768, norm_topk_prob=True, **runtime)
 
 
 # Sizes config.json must give (positive integers), and those it may give.

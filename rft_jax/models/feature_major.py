@@ -38,6 +38,7 @@ from rft_jax.models import cpu_attention
 from rft_jax.models.attention import MASKED_SCORE
 from rft_jax.models.kv_cache import KVCache, query_slots, visible_slots, write_slots
 from rft_jax.models.layers import rms_norm, rotate
+from rft_jax.models.moe import ExpertWeights, sparse_block
 
 
 @flax.struct.dataclass
@@ -50,7 +51,11 @@ class LayerWeights:
     qkv_bias: ``[(N + 2K) H]`` or None.
     q_norm, k_norm: ``[H]`` per-head RMSNorm scales (Qwen3) or None.
     o: ``[D, N H]`` the output projection; ``o_bias``: ``[D]`` or None.
-    gate_up: ``[2F, D]`` the gate and up projections, stacked; ``down``: ``[D, F]``.
+    gate_up: ``[2F, D]`` the gate and up projections, stacked; ``down``: ``[D, F]`` (None in
+      an MoE layer).
+    moe: an MoE layer's :class:`~rft_jax.models.moe.ExpertWeights` in the compute dtype, as
+      stored (the block runs token-major on the few rows: ``[B, D]`` in and out); None when
+      dense.
   """
 
   input_norm: Array
@@ -61,8 +66,9 @@ class LayerWeights:
   o: Array
   o_bias: Array | None
   post_norm: Array
-  gate_up: Array
-  down: Array
+  gate_up: Array | None
+  down: Array | None
+  moe: ExpertWeights | None = None
 
 
 @flax.struct.dataclass
@@ -112,8 +118,9 @@ def decode_weights(model, layers: Sequence | None = None) -> DecodeWeights:
         o=attn.o_proj[...].reshape(-1, c.hidden_size).T.astype(dtype),
         o_bias=attn.o_bias[...].astype(dtype) if c.attention_out_bias else None,
         post_norm=layer.post_attention_layernorm.scale[...],
-        gate_up=stack_rows(("gate_proj", "up_proj"), mlp),
-        down=mlp.down_proj[...].T.astype(dtype),
+        gate_up=None if c.is_moe else stack_rows(("gate_proj", "up_proj"), mlp),
+        down=None if c.is_moe else mlp.down_proj[...].T.astype(dtype),
+        moe=mlp.expert_weights().astype(dtype) if c.is_moe else None,
     )
 
   embed = model.embed_tokens[...]
@@ -203,9 +210,14 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     x = x + layer.o @ o.reshape(o.shape[0], n * h).T  # o: [B, K, G, H]
     if layer.o_bias is not None:
       x = x + layer.o_bias[:, None]
-    gate_up = layer.gate_up @ rms_norm(x, layer.post_norm, eps, axis=0)  # [2F, B]
-    gate, up = jnp.split(gate_up, 2)
-    x = x + layer.down @ (jax.nn.silu(gate) * up)
+    if layer.moe is not None:  # token-major: [B, D] rows through the grouped products
+      y, _ = sparse_block(rms_norm(x, layer.post_norm, eps, axis=0).T, layer.moe,
+                          c.num_experts_per_tok, c.norm_topk_prob, vmappable=True)
+      x = x + y.T
+    else:
+      gate_up = layer.gate_up @ rms_norm(x, layer.post_norm, eps, axis=0)  # [2F, B]
+      gate, up = jnp.split(gate_up, 2)
+      x = x + layer.down @ (jax.nn.silu(gate) * up)
     k_all.append(k_cache)
     v_all.append(v_cache)
   hidden = rms_norm(x, weights.norm, eps, axis=0)

@@ -42,6 +42,9 @@ def fused_decode_fits(config: QwenConfig, rows: int) -> str | None:
   c = config
   if c.lora is not None:
     return "LoRA adapters (the fused kernels have none; the XLA step applies them)"
+  if c.is_moe:
+    return (f"a mixture of experts (model_type {c.model_type!r}: the fused kernels have a dense "
+            "MLP; the XLA step routes the experts)")
   half = c.head_dim // 2
   if half < 16 or half & (half - 1):
     return (f"head_dim={c.head_dim} (the attention kernel takes halves of a power of two of at "

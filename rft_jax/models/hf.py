@@ -71,6 +71,11 @@ def abstract_model(config: QwenConfig) -> Qwen:
 
 def _check_names_and_shapes(path: Path, config: QwenConfig, files: dict[str, Path],
                             expected: dict[str, hf_keys.TensorSpec]) -> None:
+  experts = hf_keys.checkpoint_experts(files)
+  if config.is_moe and experts is not None and experts != config.num_experts:
+    raise CheckpointError(f"{path}: the checkpoint holds {experts} experts per layer "
+                          f"(model.layers.*.mlp.experts.*), its config.json num_experts="
+                          f"{config.num_experts}")
   missing = [n for n in expected if n not in files]
   unexpected = sorted(hf_keys.describe_unexpected(n, config) for n in files
                       if n not in expected and not hf_keys.is_ignored(n, config))
@@ -99,15 +104,21 @@ def _zeros(shape: tuple[int, ...], dtype, sharding) -> Any:
 
 
 @functools.cache
-def _set_row(sharding) -> Any:
-  return jax.jit(lambda buf, row, i: jax.lax.dynamic_update_index_in_dim(buf, row, i, 0),
-                 donate_argnums=0, out_shardings=sharding)
+def _set_row(sharding, depth: int) -> Any:
+  """Writes ``row`` at the leading indices ``index`` (``depth`` of them: a layer, or a layer's
+  expert) of ``buf``, in place."""
+  def set_row(buf, row, index):
+    row = row.reshape((1,) * depth + row.shape)
+    return jax.lax.dynamic_update_slice(buf, row, tuple(index) + (0,) * (buf.ndim - depth))
+
+  return jax.jit(set_row, donate_argnums=0, out_shardings=sharding)
 
 
 def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
             mesh: Mesh | None = None, rules: Rules | None = None, remat: bool = False,
             attention: str = "auto", decode_kernels: str = "auto") -> Qwen:
-  """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face checkpoint directory.
+  """Loads a Qwen2 / Qwen2.5 / Qwen3 (or Qwen2-MoE / Qwen3-MoE) Hugging Face checkpoint
+  directory.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors.
@@ -120,7 +131,8 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
 
   Raises:
     CheckpointError: no config / no weights, unsupported config, missing or unexpected tensor
-      names (listed), shape mismatches (name, expected and found shapes).
+      names (listed), shape mismatches (name, expected and found shapes), an expert count that
+      differs from the config's (both named).
   """
   path = Path(path)
   config = read_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
@@ -146,17 +158,19 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
     var = variables[spec.rule.nnx]
     target = var.get_value()
     sharding = sharding_of(var)
-    if spec.layer is None:
+    depth = len(spec.index)
+    if not depth:
       y = hf_keys.to_nnx(x, spec, target.shape).astype(target.dtype, copy=False)
       values[spec.rule.nnx] = global_array(y, sharding)
       return
-    y = hf_keys.to_nnx(x, spec, target.shape[1:]).astype(target.dtype, copy=False)
+    y = hf_keys.to_nnx(x, spec, target.shape[depth:]).astype(target.dtype, copy=False)
     row_sharding = (device if mesh is None
-                    else NamedSharding(mesh, PartitionSpec(*sharding.spec[1:])))
+                    else NamedSharding(mesh, PartitionSpec(*sharding.spec[depth:])))
     buf = values.get(spec.rule.nnx)
     if buf is None:
       buf = _zeros(target.shape, target.dtype, sharding)()
-    values[spec.rule.nnx] = _set_row(sharding)(buf, global_array(y, row_sharding), spec.layer)
+    values[spec.rule.nnx] = _set_row(sharding, depth)(buf, global_array(y, row_sharding),
+                                                      np.asarray(spec.index, np.int32))
 
   by_file: dict[Path, list[str]] = {}
   for name in expected:
@@ -203,8 +217,8 @@ def save_hf(model: Qwen, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX
   def fetch(name: str) -> np.ndarray:
     spec = expected[name]
     array = variables[spec.rule.nnx].get_value()
-    if spec.layer is not None:
-      array = array[spec.layer]
+    if spec.index:
+      array = array[spec.index]
     return hf_keys.to_hf(np.asarray(jax.device_get(array.astype(written))), spec)
 
   sizes = {name: math.prod(s.hf_shape) * written.itemsize for name, s in expected.items()}

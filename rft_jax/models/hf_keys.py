@@ -1,9 +1,12 @@
 r"""The one table that knows Hugging Face tensor names, and how each maps onto the NNX state.
 
-Each :class:`KeyRule` pairs an HF name template (``{layer}`` stands for the layer index) with
-the path of the NNX parameter, the HF shape, and the axis permutation applied before reshaping
-to the NNX shape. Per-layer NNX parameters are stacked: HF ``model.layers.3.*`` is row 3 of the
-NNX array. :func:`to_nnx` and :func:`to_hf` are exact inverses (a permutation and a reshape), so
+Each :class:`KeyRule` pairs an HF name template (``{layer}`` stands for the layer index,
+``{expert}`` for an MoE layer's expert) with the path of the NNX parameter, the HF shape, and the
+axis permutation applied before reshaping to the NNX shape. Per-layer NNX parameters are
+stacked: HF ``model.layers.3.*`` is row 3 of the NNX array, and an expert's
+``model.layers.3.mlp.experts.5.up_proj.weight`` is row ``[3, 5]`` of the stacked experts
+``[L, E, D, I]`` (transformers 5 saves each expert's projections apart, as the Hub's
+checkpoints hold them). :func:`to_nnx` and :func:`to_hf` are exact inverses (a permutation and a reshape), so
 load -> save -> load is bitwise lossless.
 
 HF ``nn.Linear`` weights are ``[out, in]``; NNX kernels are ``[in, ...out]`` split into heads,
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -28,7 +31,7 @@ class KeyRule:
   """One HF tensor (per layer when the template has ``{layer}``).
 
   Attributes:
-    hf: HF name template.
+    hf: HF name template (``{layer}``, ``{expert}``).
     nnx: path of the parameter in ``nnx.state(model)``.
     hf_shape: the HF tensor shape for a config.
     perm: axes permutation from HF to NNX order before the reshape (``None``: none).
@@ -46,15 +49,31 @@ class KeyRule:
     return "{layer}" in self.hf
 
   @property
+  def per_expert(self) -> bool:
+    return "{expert}" in self.hf
+
+  @property
   def pattern(self) -> re.Pattern:
-    return re.compile(re.escape(self.hf).replace(re.escape("{layer}"), r"(\d+)") + r"\Z")
+    escaped = re.escape(self.hf)
+    for field in ("{layer}", "{expert}"):
+      escaped = escaped.replace(re.escape(field), r"(\d+)")
+    return re.compile(escaped + r"\Z")
 
 
 def _layer(name: str) -> str:
   return "model.layers.{layer}." + name
 
 
+def _dense(c: QwenConfig) -> bool:
+  return not c.is_moe
+
+
+def _shared(c: QwenConfig) -> bool:
+  return c.shared_expert_intermediate_size > 0
+
+
 _ATTN = ("layers", "attn")
+_MOE = ("layers", "mlp")
 KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("model.embed_tokens.weight", ("embed_tokens",),
             lambda c: (c.vocab_size, c.hidden_size)),
@@ -86,11 +105,28 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule(_layer("self_attn.k_norm.weight"), _ATTN + ("k_norm", "scale"),
             lambda c: (c.head_dim,), when=lambda c: c.qk_norm),
     KeyRule(_layer("mlp.gate_proj.weight"), ("layers", "mlp", "gate_proj"),
-            lambda c: (c.intermediate_size, c.hidden_size), (1, 0)),
+            lambda c: (c.intermediate_size, c.hidden_size), (1, 0), when=_dense),
     KeyRule(_layer("mlp.up_proj.weight"), ("layers", "mlp", "up_proj"),
-            lambda c: (c.intermediate_size, c.hidden_size), (1, 0)),
+            lambda c: (c.intermediate_size, c.hidden_size), (1, 0), when=_dense),
     KeyRule(_layer("mlp.down_proj.weight"), ("layers", "mlp", "down_proj"),
-            lambda c: (c.hidden_size, c.intermediate_size), (1, 0)),
+            lambda c: (c.hidden_size, c.intermediate_size), (1, 0), when=_dense),
+    # Mixture of experts (rft_jax.models.moe): the router, the experts, the shared expert.
+    KeyRule(_layer("mlp.gate.weight"), _MOE + ("router",),
+            lambda c: (c.num_experts, c.hidden_size), (1, 0), when=lambda c: c.is_moe),
+    KeyRule(_layer("mlp.experts.{expert}.gate_proj.weight"), _MOE + ("expert_gate",),
+            lambda c: (c.moe_intermediate_size, c.hidden_size), (1, 0), when=lambda c: c.is_moe),
+    KeyRule(_layer("mlp.experts.{expert}.up_proj.weight"), _MOE + ("expert_up",),
+            lambda c: (c.moe_intermediate_size, c.hidden_size), (1, 0), when=lambda c: c.is_moe),
+    KeyRule(_layer("mlp.experts.{expert}.down_proj.weight"), _MOE + ("expert_down",),
+            lambda c: (c.hidden_size, c.moe_intermediate_size), (1, 0), when=lambda c: c.is_moe),
+    KeyRule(_layer("mlp.shared_expert.gate_proj.weight"), _MOE + ("shared_expert", "gate_proj"),
+            lambda c: (c.shared_expert_intermediate_size, c.hidden_size), (1, 0), when=_shared),
+    KeyRule(_layer("mlp.shared_expert.up_proj.weight"), _MOE + ("shared_expert", "up_proj"),
+            lambda c: (c.shared_expert_intermediate_size, c.hidden_size), (1, 0), when=_shared),
+    KeyRule(_layer("mlp.shared_expert.down_proj.weight"), _MOE + ("shared_expert", "down_proj"),
+            lambda c: (c.hidden_size, c.shared_expert_intermediate_size), (1, 0), when=_shared),
+    KeyRule(_layer("mlp.shared_expert_gate.weight"), _MOE + ("shared_expert_gate",),
+            lambda c: (1, c.hidden_size), when=_shared),
 )
 
 # Names a checkpoint may carry that the decoder recomputes or shares: RoPE buffers of old
@@ -100,12 +136,20 @@ _IGNORED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq\Z")
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-  """One concrete HF tensor: its name, rule, layer (``None`` if not per layer) and shape."""
+  """One concrete HF tensor: its name, rule, layer (``None`` if not per layer), expert
+  (``None`` if not per expert) and shape."""
 
   name: str
   rule: KeyRule
   layer: int | None
   hf_shape: Shape
+  expert: int | None = None
+
+  @property
+  def index(self) -> tuple[int, ...]:
+    """Where the tensor lies in its stacked NNX parameter: ``()``, ``(layer,)`` or
+    ``(layer, expert)``."""
+    return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def expected_tensors(config: QwenConfig) -> dict[str, TensorSpec]:
@@ -117,8 +161,9 @@ def expected_tensors(config: QwenConfig) -> dict[str, TensorSpec]:
     layers: Iterator[int | None] = (iter(range(config.num_hidden_layers)) if rule.per_layer
                                     else iter([None]))
     for layer in layers:
-      name = rule.hf.format(layer=layer)
-      out[name] = TensorSpec(name, rule, layer, tuple(rule.hf_shape(config)))
+      for expert in range(config.num_experts) if rule.per_expert else [None]:
+        name = rule.hf.format(layer=layer, expert=expert)
+        out[name] = TensorSpec(name, rule, layer, tuple(rule.hf_shape(config)), expert)
   return out
 
 
@@ -153,11 +198,24 @@ def describe_unexpected(name: str, config: QwenConfig) -> str:
       return f"{name} (not used by this config)"
     if rule.per_layer and int(match.group(1)) >= config.num_hidden_layers:
       return f"{name} (layer {match.group(1)} >= num_hidden_layers={config.num_hidden_layers})"
+    if rule.per_expert and int(match.group(2)) >= config.num_experts:
+      return f"{name} (expert {match.group(2)} >= num_experts={config.num_experts})"
   return name
 
 
+def checkpoint_experts(names: Iterable[str]) -> int | None:
+  """How many experts per layer a checkpoint's tensor names hold (one more than the highest
+  ``mlp.experts.{e}`` index), or None when they hold no per-expert tensors."""
+  found = [int(m.group(1)) for m in map(_EXPERT_NAME.match, names) if m]
+  return max(found) + 1 if found else None
+
+
+_EXPERT_NAME = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
 def to_nnx(x: np.ndarray, spec: TensorSpec, nnx_shape: Shape) -> np.ndarray:
-  """HF tensor -> NNX layout (one layer's slice for per-layer parameters)."""
+  """HF tensor -> NNX layout (one layer's, or one layer's expert's, slice for stacked
+  parameters)."""
   if spec.rule.perm is not None:
     x = _transpose(x, spec.rule.perm)
   return np.ascontiguousarray(x.reshape(nnx_shape))

@@ -8,6 +8,13 @@ Layers are stacked (every layer parameter has a leading ``layers`` axis, built w
   hidden = model(input_ids, attention_mask, return_hidden=True)   # [B, T, D]
   logits = hidden @ model.unembedding()                  # the same, chunk by chunk if needed
 
+An MoE model (``config.is_moe``: :mod:`rft_jax.models.moe`) can also return its routing and
+replay a given one::
+
+  logits, routing = model(input_ids, attention_mask, return_routing=True)
+  # routing.router_logits [L, B, T, E] float32, routing.expert_ids [L, B, T, k] int32
+  logits = model(input_ids, attention_mask, expert_ids=routing.expert_ids)   # replayed
+
 The full forward and the prefill run causal self-attention with ``config.attention``
 (:func:`~rft_jax.models.attention.causal_self_attention`: memory linear in T); pass
 ``mesh=`` the mesh the arrays live on, which names the backend and lets the TPU kernel run per
@@ -27,7 +34,7 @@ a compiled kernel on one device (:mod:`rft_jax.models.cpu_attention`).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +42,14 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models.attention import Attention, attend, attend_cache, causal_self_attention
+from rft_jax.models.attention import causal_self_attention
 from rft_jax.models.config import QwenConfig
+from rft_jax.models.decoder_layer import DecoderLayer, Rope, SelfAttention
 from rft_jax.models.kv_cache import (KVCache, init_cache, query_slots, visible_slots,
                                      write_slots)
 from rft_jax.models.paged_kv import PagedKVCache, paged_attention, write_token
-from rft_jax.models.layers import MLP, RMSNorm, normal_init, param, rope_cos_sin
-
-
-# (q, k, v, valid) -> attention output: causal_self_attention with the model's kind and mesh.
-SelfAttention = Callable[..., Float[Array, "B T N H"]]
-Rope = tuple[Float[Array, "B T 1 H"], Float[Array, "B T 1 H"]]
+from rft_jax.models.layers import RMSNorm, normal_init, param, rope_cos_sin
+from rft_jax.models.moe import Routing
 
 
 def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -53,84 +57,9 @@ def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-class DecoderLayer(nnx.Module):
-  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
-
-  def __init__(self, config: QwenConfig, *, rngs: nnx.Rngs):
-    c = config
-    self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype,
-                                   rngs=rngs)
-    self.attn = Attention(c, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
-                                            param_dtype=c.param_dtype, rngs=rngs)
-    self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype,
-                   param_dtype=c.param_dtype, rngs=rngs, lora=c.lora)
-
-  def __call__(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
-               attention: SelfAttention) -> Float[Array, "B T D"]:
-    """One layer, causal self-attention within ``x`` (``valid``: the real tokens; ``rope``:
-    :meth:`Qwen.rope` of the tokens' positions, shared by the layers)."""
-    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
-    return self._residual(x, attention(q, k, v, valid))
-
-  def prefill(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
-              attention: SelfAttention, k_cache: Float[Array, "B K H S"],
-              v_cache: Float[Array, "B K S H"], *, last_only: bool = False):
-    """:meth:`__call__` on a prompt that also writes its keys/values at slots ``[0, T)`` of an
-    empty cache layer. Attention reads them as stored (in the cache dtype), as decoding will.
-    With ``last_only`` only the last position goes on past the cache write (``[B, 1, D]``).
-
-    Returns:
-      ``(x, k_cache, v_cache)``.
-    """
-    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
-    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1), (0, 0, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, 0, 0))
-    k, v = k.astype(q.dtype), v.astype(q.dtype)
-    if last_only:  # one query: the plain product, against the real keys
-      x, o = x[:, -1:], attend(q[:, -1:], k, v, valid[:, None, :])
-    else:
-      o = attention(q, k, v, valid)
-    return self._residual(x, o), k_cache, v_cache
-
-  def extend(self, x: Float[Array, "B T D"], rope: Rope, mask: Bool[Array, "B T S"],
-             k_cache: Float[Array, "B K H S"], v_cache: Float[Array, "B K S H"],
-             index: Int[Array, ""] | Int[Array, "B"]):
-    """One layer on T new tokens: writes their keys/values at slots ``[index, index + T)`` of
-    this layer's cache (``index``: shared, or ``[B]`` one per row), then attends to the cache
-    (``mask``: which slots each query sees; ``rope``: :meth:`Qwen.rope` of the tokens'
-    positions, shared by the layers).
-
-    Returns:
-      ``(x, k_cache, v_cache)``.
-    """
-    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
-    k_cache = write_slots(k_cache, k.transpose(0, 2, 3, 1), index, axis=3)
-    v_cache = write_slots(v_cache, v.transpose(0, 2, 1, 3), index, axis=2)
-    o = attend_cache(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-    return self._residual(x, o), k_cache, v_cache
-
-  def attend_with(self, x: Float[Array, "B T D"], rope: Rope, attention):
-    """One layer on new tokens whose attention another cache computes: ``attention(q, k, v)``
-    (``[B, T, N, H]``, ``[B, T, K, H]`` twice) returns ``(o, cache)``, the output and that
-    cache with the tokens' keys and values (a paged cache's, :meth:`Qwen.paged_decode_step`).
-
-    Returns:
-      ``(x, cache)``.
-    """
-    q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
-    o, cache = attention(q, k, v)
-    return self._residual(x, o), cache
-
-  def _residual(self, x: Float[Array, "B T D"], o: Float[Array, "B T N H"]
-                ) -> Float[Array, "B T D"]:
-    x = x + self.attn.out(o)
-    return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen(nnx.Module):
-  """Decoder-only language model covering Qwen2, Qwen2.5 and Qwen3 (see :class:`QwenConfig`)."""
+  """Decoder-only language model covering Qwen2, Qwen2.5, Qwen3 and their MoE forms (see
+  :class:`QwenConfig`)."""
 
   def __init__(self, config: QwenConfig, *, rngs: nnx.Rngs):
     c = config
@@ -177,19 +106,23 @@ class Qwen(nnx.Module):
     """The causal self-attention of the full forward and the prefill (``config.attention``)."""
     return functools.partial(causal_self_attention, kind=self.config.attention, mesh=mesh)
 
-  def _layers(self, x, positions, valid, mesh):
-    """Scans the stacked layers (the full forward)."""
+  def _layers(self, x, positions, valid, mesh, expert_ids=None, return_routing=False):
+    """Scans the stacked layers (the full forward); ``(hidden, routing)``, routing stacked
+    ``[L, ...]`` with ``return_routing``, else None."""
     graphdef, state = nnx.split(self.layers)
     rope = self.rope(positions)
     attention = self.self_attention(mesh)
 
-    def body(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x, rope, valid, attention), None
+    def body(x, inputs):
+      layer_state, ids = inputs
+      out = nnx.merge(graphdef, layer_state)(x, rope, valid, attention, ids,
+                                             return_routing=return_routing)
+      return out if return_routing else (out, None)
 
     if self.config.remat:
       body = jax.checkpoint(body, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, state)
-    return self.norm(x)
+    x, routing = jax.lax.scan(body, x, (state, expert_ids))
+    return self.norm(x), routing
 
   def unstacked_layers(self, at: Sequence[Int[Array, ""]] | None = None
                        ) -> tuple[DecoderLayer, ...]:
@@ -260,8 +193,9 @@ class Qwen(nnx.Module):
 
   def __call__(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None = None,
                positions: Int[Array, "B T"] | None = None, *, segment_ids: Int[Array, "B T"] | None = None,
-               return_hidden: bool = False, mesh: Mesh | None = None
-               ) -> Float[Array, "B T V"] | Float[Array, "B T D"]:
+               return_hidden: bool = False, mesh: Mesh | None = None,
+               expert_ids: Int[Array, "L B T k"] | None = None, return_routing: bool = False
+               ) -> Float[Array, "B T V"] | Float[Array, "B T D"] | tuple[Array, Routing]:
     """Logits (float32) of every position, or the final normed hidden states.
 
     Args:
@@ -274,7 +208,19 @@ class Qwen(nnx.Module):
         ``positions`` (each sequence's own).
       return_hidden: return ``[B, T, D]`` hidden states after the final norm instead of logits.
       mesh: the mesh the inputs and parameters are laid out on (see the module docstring).
+      expert_ids: an MoE model's routing to replay: every layer's experts of every token
+        (:attr:`~rft_jax.models.moe.Routing.expert_ids` of an earlier forward, or the sampler's);
+        the routing weights still come from the live routers at those ids.
+      return_routing: an MoE model also returns its layers'
+        :class:`~rft_jax.models.moe.Routing` (``router_logits [L, B, T, E]`` float32,
+        ``expert_ids [L, B, T, k]``): ``(logits or hidden, routing)``.
+
+    Raises:
+      ValueError: ``expert_ids`` or ``return_routing`` on a dense model.
     """
+    if (expert_ids is not None or return_routing) and not self.config.is_moe:
+      raise ValueError(f"Qwen: expert_ids / return_routing need an MoE model; model_type "
+                       f"{self.config.model_type!r} has no experts")
     if segment_ids is not None:
       if positions is None:
         raise ValueError("Qwen: segment_ids (packed rows) need each sequence's positions")
@@ -285,8 +231,10 @@ class Qwen(nnx.Module):
       if positions is None:
         positions = positions_from_mask(attention_mask)
       valid = attention_mask.astype(jnp.bool_)
-    hidden = self._layers(self._embed(input_ids), positions, valid, mesh)
-    return hidden if return_hidden else self.logits(hidden)
+    hidden, routing = self._layers(self._embed(input_ids), positions, valid, mesh, expert_ids,
+                                   return_routing)
+    out = hidden if return_hidden else self.logits(hidden)
+    return (out, routing) if return_routing else out
 
   # ------------------------------------------------------------------------------------------
   # Incremental decoding.

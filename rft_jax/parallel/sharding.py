@@ -9,7 +9,9 @@ otherwise the dimension is replicated. Mesh axes of size 1 are dropped from the 
 Tables (order is priority):
 
 * :data:`FSDP_RULES` shards the large ``embed`` / ``vocab`` / ``mlp`` dims over ``data``;
-* :data:`TP_RULES` shards ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` over ``model``;
+* :data:`TP_RULES` shards ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` over ``model``, and an
+  MoE layer's ``experts`` over ``model`` (expert parallelism: each device holds ``E / model``
+  whole experts; their width ``expert_mlp`` over ``model`` where the experts do not divide);
 * :data:`DEFAULT_RULES` is tensor parallel first, then FSDP on what is left, plus ``batch``
   over ``data`` for activations and the KV cache.
 """
@@ -30,7 +32,7 @@ Rules = Sequence[tuple[str, MeshAxes]]
 
 FSDP_RULES: Rules = (("embed", "data"), ("vocab", "data"), ("mlp", "data"), ("batch", "data"))
 TP_RULES: Rules = (("vocab", "model"), ("heads", "model"), ("kv_heads", "model"),
-                   ("mlp", "model"))
+                   ("mlp", "model"), ("experts", "model"), ("expert_mlp", "model"))
 DEFAULT_RULES: Rules = tuple(TP_RULES) + tuple(FSDP_RULES)
 
 
