@@ -69,6 +69,8 @@ def test_logits_router_logits_and_aux_loss_equal_transformers(ckpts, models, fam
   assert np.abs(np.asarray(routing.router_logits) - hf_router)[:, real].max() <= 1e-4
   aux = load_balancing_loss(routing.router_logits, config.num_experts_per_tok, jnp.asarray(mask))
   assert abs(float(aux) - float(out.aux_loss)) <= 1e-6
+  replayed = load_balancing_loss(routing.router_logits, 2, jnp.asarray(mask), routing.expert_ids)
+  assert float(replayed) == float(aux)  # the counted ids are the top-k's
   # Without a mask padding counts, as in transformers (same logits, same padding rows).
   from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
   unmasked = load_balancing_loss_func(
@@ -99,7 +101,11 @@ def test_routing_replay_keeps_the_routers_gradient(models):
   w, chosen = route(logits_e, 2, True, jnp.asarray([[3, 1]] * 4))
   p = jax.nn.softmax(logits_e)[:, jnp.array([3, 1])]
   np.testing.assert_allclose(w, p / p.sum(-1, keepdims=True), rtol=1e-6)
-  assert chosen.dtype == jnp.int32 and float(router_z_loss(logits_e[None, None])) > 0
+  assert chosen.dtype == jnp.int32
+  z = np.log(np.exp(np.asarray(logits_e, np.float64)).sum(-1)) ** 2  # [4]
+  np.testing.assert_allclose(router_z_loss(logits_e[None, None]), z.mean(), rtol=1e-5)
+  np.testing.assert_allclose(router_z_loss(logits_e[None, None], jnp.asarray([[1, 1, 0, 0]])),
+                             z[:2].mean(), rtol=1e-5)
 
 
 def test_dense_models_refuse_routing(tmp_path):
