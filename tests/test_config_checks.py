@@ -66,6 +66,12 @@ def test_a_runnable_config_passes(files):
   validate_for_training(config(files), n_devices=8)
 
 
+def test_routing_replay_on_a_dense_model_is_refused_naming_the_key(files):
+  with pytest.raises(ConfigError, match=r"learner\.routing_replay=true needs a mixture-of-experts model; "
+                                        r"model\.path=.* is model_type 'qwen"):
+    validate_for_training(config(files, "learner.routing_replay=true"), 8)
+
+
 def test_model_path_must_be_a_model_directory(files, tmp_path):
   with pytest.raises(ConfigError, match=r"model\.path='.*nowhere': no such directory"):
     validate_for_training(config(files, f"model.path={tmp_path / 'nowhere'}"), 8)

@@ -233,6 +233,13 @@ class LearnerConfig:
     forecast_every: every this many steps, measure the entropy change of the update
       on the same batch and its exact first-order forecast (one extra forward pass with
       tangents and a copy of the parameters; 0: never).
+    router_aux_loss_coef: an MoE policy's load-balancing loss weight in the learner's loss (as
+      transformers computes the loss; ``rft_jax.rl.learner.routing``). None: the model
+      config's ``router_aux_loss_coef``; 0: off (still logged). Ignored on dense models.
+    router_z_loss_coef: the router z-loss weight (ST-MoE; 0: off, still logged).
+    routing_replay: rollout routing replay (R3): the learner's forward passes route each token
+      by the experts the sampler chose for it (the batch's ``expert_ids``, recorded by the
+      sampler), the routing weights still those of the live router. MoE models only.
   """
 
   advantage: str = "grpo"
@@ -260,6 +267,9 @@ class LearnerConfig:
   temperature: Optional[float] = None
   stats_chunk_size: int = 512
   forecast_every: int = 0
+  router_aux_loss_coef: Optional[float] = None
+  router_z_loss_coef: float = 0.0
+  routing_replay: bool = False
 
   def __post_init__(self):
     if isinstance(self.entropy_mask, dict):
@@ -279,7 +289,8 @@ class LearnerConfig:
       positive("learner.temperature", self.temperature)
     for name in ("mini_batches", "ppo_epochs", "micro_batch_size", "stats_chunk_size"):
       positive(f"learner.{name}", getattr(self, name))
-    for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "forecast_every"):
+    for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "forecast_every", "router_aux_loss_coef",
+                 "router_z_loss_coef"):
       if getattr(self, name) is not None:
         positive(f"learner.{name}", getattr(self, name), allow_zero=True)
     if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or

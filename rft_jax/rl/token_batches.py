@@ -158,6 +158,16 @@ def gather_tokens(x: jax.Array, stat_index: Int[Array, "... W"]) -> jax.Array:
   return jnp.take(x.reshape(-1), stat_index, mode="fill", fill_value=0)
 
 
+def gather_slots(token_index: Int[Array, "... W"], x: jax.Array, row_stride: int = 1) -> jax.Array:
+  """``[B, L, ...]`` array aligned with ``input_ids`` -> packed ``[..., W, ...]``: each slot's
+  token's entry (0 on empty slots); ``token_index`` and ``row_stride`` as for :func:`packed_rows`."""
+  rows, width = x.shape[:2]
+  empty = token_index >= rows * row_stride * width
+  here = jnp.where(empty, 0, token_index // width // row_stride * width + token_index % width)
+  values = jnp.take(x.reshape(rows * width, *x.shape[2:]), here, axis=0)
+  return jnp.where(empty.reshape(empty.shape + (1,) * (x.ndim - 2)), jnp.zeros((), x.dtype), values)
+
+
 def scatter_tokens(x: jax.Array, stat_index: Int[Array, "... W"], shape: tuple[int, int]) -> jax.Array:
   """Packed ``[..., W]`` -> ``[B, T]`` (``shape``) per-token array; 0 where no slot maps."""
   flat = jnp.zeros(shape[0] * shape[1], x.dtype).at[stat_index.reshape(-1)].set(x.reshape(-1), mode="drop")

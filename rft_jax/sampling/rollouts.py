@@ -41,6 +41,13 @@ class Rollouts:
     on_device: the completions' :class:`OnDevice` arrays, or None (everything on the host).
     evictions: samples a paged KV cache evicted for lack of pages and decoded again
       (``SamplingParams.kv_pages``; the samples are the same, the time is not); 0 otherwise.
+    prompt_expert_ids: an MoE sampler's routing of the prompts, ``[B, P, n_layers, k]``: the
+      experts each prompt token went to in each layer of the prefill (:func:`compact_expert_ids`
+      dtype); None when not recorded (a dense model, or recording off).
+    completion_expert_ids: ``[N, M, n_layers, k]`` the experts of each completion token in the
+      decode step that fed it (0 where none did: a completion's last token, padding); None when
+      not recorded. The learner replays them (``learner.routing_replay``) and measures its
+      routing against them.
   """
 
   prompt_ids: np.ndarray
@@ -52,6 +59,8 @@ class Rollouts:
   prompt_index: np.ndarray
   on_device: OnDevice | None = None
   evictions: int = 0
+  prompt_expert_ids: np.ndarray | jax.Array | None = None
+  completion_expert_ids: np.ndarray | jax.Array | None = None
 
   def __post_init__(self):
     b, p = self.prompt_ids.shape
@@ -71,6 +80,15 @@ class Rollouts:
       if getattr(self, name).shape != shape:
         raise ValueError(f"Rollouts.{name} has shape {getattr(self, name).shape}, expected "
                          f"{shape} (prompt_ids {b}x{p}, completion_ids {n_total}x{m})")
+    if (self.prompt_expert_ids is None) != (self.completion_expert_ids is None):
+      raise ValueError("Rollouts: give both prompt_expert_ids and completion_expert_ids, or neither")
+    if self.prompt_expert_ids is not None:
+      routed = self.prompt_expert_ids.shape[2:]
+      for name, lead in (("prompt_expert_ids", (b, p)), ("completion_expert_ids", (n_total, m))):
+        shape = getattr(self, name).shape
+        if shape[:2] != lead or shape[2:] != routed or len(shape) != 4:
+          raise ValueError(f"Rollouts.{name} has shape {shape}, expected {lead + routed} "
+                           "([rows, tokens, layers, k])")
     bad = set(np.unique(self.finish_reason).tolist()) - set(FINISH_REASONS)
     if bad:
       raise ValueError(f"Rollouts.finish_reason holds {sorted(bad)}; allowed: {FINISH_REASONS}")
@@ -99,3 +117,9 @@ class OnDevice:
 
   completion_ids: jax.Array
   logprobs: jax.Array
+
+
+def compact_expert_ids(expert_ids, num_experts: int):
+  """``expert_ids`` in the smallest dtype that holds ``num_experts`` ids: uint8 up to 256
+  experts, else int16 (a rollout's recorded routing: ``n_layers * k`` bytes a token)."""
+  return expert_ids.astype(np.uint8 if num_experts <= 256 else np.int16)

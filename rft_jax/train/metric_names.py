@@ -17,6 +17,8 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
 ``mask/``       the shares of tokens the entropy mask (Clip_B / Clip_V) or method removes
 ``rollout_corr/``  the sampler-learner mismatch and its correction (``learner.rollout_correction``):
                 importance weights, rejected shares, KL / perplexity / chi-squared; verl's keys
+``router/``     a mixture-of-experts policy's router: the load-balancing and z losses, the
+                expert load, the share of tokens routed unlike the sampler (names as computed)
 ``critic/``     PPO's value model: value loss, clip fraction, explained variance
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
 ``timing/``     seconds per phase and rollout tokens per second

@@ -11,6 +11,7 @@ checks are separate):
   ``data.val_size``, leaving at least one batch of ``data.prompts_per_step``;
 * each ``eval.sets[i].path``: loads, when evaluation is on (``eval.every`` or ``eval.at_start``);
 * ``rewards.functions``: each imports; ``logging.wandb``: the wandb package is installed;
+* ``learner.routing_replay``: the model is a mixture of experts;
 * the mesh: ``mesh.data x mesh.model`` fits ``n_devices``, and every micro-batch (so every
   step's prompts x samples) splits evenly over the data-parallel devices.
 
@@ -55,6 +56,7 @@ def validate_for_training(cfg: TrainConfig, n_devices: int) -> Inputs:
   """
   data_parallel_devices(cfg, n_devices)
   check_model_dir(cfg.model.path)
+  check_routing_replay(cfg)
   if cfg.model.ref_path and cfg.learner.kl_coef > 0:
     check_model_dir(cfg.model.ref_path, key="model.ref_path", tokenizer=False)
   if cfg.model.critic_path and cfg.learner.algorithm.needs_critic:
@@ -131,6 +133,13 @@ def check_model_dir(path: str, key: str = "model.path", tokenizer: bool = True) 
   weight_map(Path(path))  # weights present, their headers readable
   if tokenizer:
     check_tokenizer_files(path)
+
+
+def check_routing_replay(cfg: TrainConfig) -> None:
+  """``learner.routing_replay`` needs a mixture-of-experts policy (``model.path``'s config.json)."""
+  if cfg.learner.routing_replay and not read_config(cfg.model.path).is_moe:
+    raise ConfigError(f"learner.routing_replay=true needs a mixture-of-experts model; "
+                      f"model.path={cfg.model.path!r} is model_type {read_config(cfg.model.path).model_type!r}")
 
 
 def check_training_data(cfg: TrainConfig) -> tuple[list[MathExample], LoadReport]:

@@ -1,9 +1,12 @@
 r"""The GRPO learner: one compiled train step over a batch of rollouts (:class:`Learner`).
 
 The package, by concern: ``batch.py`` (:class:`LearnerBatch`, built from the sampler's typed
-rollouts by :func:`learner_batch`, and the layout of its per-token arrays), ``plan.py`` (the step plan: micro-batches, forward passes, token choices and the
-micro-batch loss), ``metrics.py`` (metrics and the entropy-change forecasts), ``placement.py``
-(shardings and compilation) and ``learner.py`` (:class:`Learner`, composing them).
+rollouts by :func:`learner_batch`, and the layout of its per-token arrays), ``plan.py`` (the
+step plan: micro-batches, forward passes, token choices and the micro-batch loss), ``forward.py``
+(the forward passes and their statistics), ``routing.py`` (a mixture-of-experts policy's router
+terms, expert load, routing mismatch and routing replay), ``metrics.py`` (metrics and the
+entropy-change forecasts), ``placement.py`` (shardings and compilation) and ``learner.py``
+(:class:`Learner`, composing them).
 
 A step, all inside one ``jax.jit`` with explicit shardings:
 
@@ -29,6 +32,14 @@ A step, all inside one ``jax.jit`` with explicit shardings:
 4. **Non-finite guard**: if a loss, a gradient norm or an updated parameter is not finite (a
    NaN in a weight, an absurd learning rate), the step returns its input state unchanged
    (parameters, optimizer state and step counter) and reports ``nonfinite_skipped = 1``.
+
+On a mixture-of-experts policy every forward pass also returns its routers' logits: the
+load-balancing loss (``learner.router_aux_loss_coef``) and the router z-loss
+(``learner.router_z_loss_coef``) join each micro-batch's loss, and the step reports them, the
+expert load and, when the batch carries the sampler's expert ids, the share of completion tokens
+the learner routes differently (``router/*``). With ``learner.routing_replay`` every forward pass
+routes by the sampler's ids (the gate's weights still the live router's). A dense policy's step
+is the same program as before.
 
 With ``kl_coef > 0``, the step also runs a no-gradient forward pass of
 the frozen reference parameters (``rft_jax.rl.reference``; an argument of the compiled step

@@ -28,6 +28,12 @@ class LearnerBatch:
     sampler_logp: ``[B, L]`` the sampler's log-prob of each completion token (the
       ``logp_mismatch`` metric; the rollout correction's pi_rollout; the entropy mask's S_* with
       ``entropy_mask.logp_source=sampler``).
+    expert_ids: ``[B, L, n_layers, k]`` (uint8, or int16 beyond 256 experts) the experts the
+      sampler routed each token to in each layer of an MoE policy (prompt tokens: its prefill's;
+      completion tokens: the decode step that fed them; 0 where it fed none, e.g. a completion's
+      last token), or None (a dense policy, or a sampler that did not record them). The
+      learner's routing mismatch metric compares with them, and ``learner.routing_replay``
+      routes its forward passes by them (``rft_jax.rl.learner.routing``).
   """
 
   input_ids: jax.Array
@@ -35,6 +41,7 @@ class LearnerBatch:
   response_mask: jax.Array
   advantages: Optional[jax.Array]
   sampler_logp: jax.Array
+  expert_ids: Optional[jax.Array] = None
 
 
 class SampledRollouts(Protocol):
@@ -51,6 +58,10 @@ class SampledRollouts(Protocol):
     prompt_index: ``[N]`` the prompt (row of ``prompt_ids``) of each completion.
     on_device: None, or the completions left on the devices: ``completion_ids`` and
       ``logprobs``, ``[N, M]`` ``jax.Array`` s.
+    prompt_expert_ids: ``[B, P, n_layers, k]`` the experts an MoE sampler routed each prompt
+      token to in its prefill, or None (not recorded; optional attribute).
+    completion_expert_ids: ``[N, M, n_layers, k]`` those of each completion token, from the
+      decode step that fed it (0 where none did), or None.
   """
 
   prompt_ids: np.ndarray
@@ -60,6 +71,8 @@ class SampledRollouts(Protocol):
   logprobs: Optional[np.ndarray]
   prompt_index: np.ndarray
   on_device: Any
+  prompt_expert_ids: Optional[Any]
+  completion_expert_ids: Optional[Any]
 
 
 def learner_batch(rollouts: SampledRollouts, rows=None, prompt_width: int | None = None,
@@ -70,7 +83,8 @@ def learner_batch(rollouts: SampledRollouts, rows=None, prompt_width: int | None
   (left-padded to ``W`` columns) followed by the completion (right-padded to ``M``);
   ``attention_mask`` is 1 on real prompt and completion tokens, ``response_mask`` on completion
   tokens (the stop token included), ``sampler_logp`` the sampler's log-probability of the
-  completion tokens (0 elsewhere).
+  completion tokens (0 elsewhere), ``expert_ids`` the sampler's recorded routing when it has
+  one (``[K, W + M, n_layers, k]``, prompts' and completions' side by side).
 
   Args:
     rollouts: the sampled rollouts (:class:`SampledRollouts`).
@@ -100,7 +114,20 @@ def learner_batch(rollouts: SampledRollouts, rows=None, prompt_width: int | None
   else:
     batch = _assemble_on_device(prompt_ids, prompt_mask, r.on_device.completion_ids, r.on_device.logprobs,
                                 rows, lengths)
+  batch = batch.replace(expert_ids=_expert_ids(r, rows, width))
   return batch if advantages is None else batch.replace(advantages=advantages)
+
+
+def _expert_ids(r: SampledRollouts, rows, width: int):
+  """``[K, W + M, n_layers, k]`` the recorded routing of the taken rows (see :func:`learner_batch`),
+  or None; on the devices when the recording is there."""
+  prompt, completion = getattr(r, "prompt_expert_ids", None), getattr(r, "completion_expert_ids", None)
+  if prompt is None or completion is None:
+    return None
+  xp = jnp if isinstance(completion, jax.Array) else np
+  p = prompt.shape[1]
+  prompt = xp.pad(prompt, ((0, 0), (max(width - p, 0), 0), (0, 0), (0, 0)))[:, max(p - width, 0):]
+  return xp.concatenate([prompt[r.prompt_index[rows]], completion[rows]], axis=1)
 
 
 def _assemble(xp, prompt_ids, prompt_mask, completion_ids, logprobs, lengths) -> LearnerBatch:

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rft_jax.entropy import masked_mean, token_stats
+from rft_jax.entropy import masked_mean
 from rft_jax.parallel import host_array
 from rft_jax.rl import reference as ref_lib
 from rft_jax.rl.batching import first_response_column, first_stats_position, merge_counts, merge_rows, split_rows
@@ -19,14 +19,16 @@ from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.learner import metrics as metrics_lib
 from rft_jax.rl.learner import placement
 from rft_jax.rl.learner import plan
+from rft_jax.rl.learner import routing
 from rft_jax.rl.learner.batch import LearnerBatch, response_tokens, step_tokens
+from rft_jax.rl.learner.forward import ForwardPasses
 from rft_jax.rl.model_trainer import ModelTrainer, TrainState
 from rft_jax.rl.nonfinite import keep_if_finite
 from rft_jax.rl.rollout_correction import importance_weights
-from rft_jax.rl.token_batches import PackedRows, packed_rows, scatter_tokens
+from rft_jax.rl.token_batches import PackedRows, scatter_tokens
 
 
-class Learner(ModelTrainer):
+class Learner(ForwardPasses, ModelTrainer):
   """Compiles and runs the GRPO train step for one model architecture and config.
 
   The learner holds no training state: :meth:`init` returns a :class:`TrainState` and
@@ -52,6 +54,7 @@ class Learner(ModelTrainer):
     self.entropy_mask = self.plan.entropy_mask  # Clip_B, Clip_V, ...
     self.entropy_method = self.plan.entropy_method  # Clip-Cov, KL-Cov, ...
     self.objective = self.plan.objective  # PPO's or GSPO's surrogate
+    self.router = routing.router_terms(model, config)  # an MoE policy's router terms, else None
     self._reference_source = reference
     self.reference = None  # frozen reference parameters, set by init() when kl_coef > 0
     self._train_step = None  # compiled on the first step, with the state's shardings
@@ -96,59 +99,18 @@ class Learner(ModelTrainer):
       return None
     return ref_lib.abstract_reference(params, self._param_shardings(params), self.config.ref_dtype)
 
-  def _token_stats(self, params, input_ids, attention_mask, entropy_grad=False, first_position=0):
-    """Stats of the next-token positions ``first_position .. L-2``, ``[b, L-1-first_position]``
-    (position t predicts token t+1). The decoder runs over all ``L`` tokens; only the hidden
-    states of those positions go through the unembedding."""
-    model = self.merge(params)
-    hidden = model(input_ids, attention_mask, return_hidden=True, mesh=self.mesh)
-    return token_stats(hidden[:, first_position:-1], input_ids[:, first_position + 1:],
-                       unembedding=model.unembedding(),
-                       temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
-                       entropy_grad=entropy_grad)
-
-  def _packed_token_stats(self, params, packed: PackedRows, entropy_grad=False):
-    """``token_stats`` ``[r, W]`` of packed rows (``rft_jax.rl.token_batches``): every slot, the
-    statistic of predicting ``packed.targets`` (meaningful where ``packed.stat_index`` maps)."""
-    model = self.merge(params)
-    hidden = model(packed.input_ids, positions=packed.positions, segment_ids=packed.segment_ids,
-                   return_hidden=True, mesh=self.mesh)
-    return token_stats(hidden, packed.targets, unembedding=model.unembedding(),
-                       temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
-                       entropy_grad=entropy_grad)
-
-  def batch_stats(self, params, batch: LearnerBatch, stats_from_column: int = 0, entropy_grad: bool = False,
-                  token_index: jax.Array | None = None):
-    """``token_stats`` of ``batch``'s next-token positions predicting the tokens of columns
-    ``max(stats_from_column, 1) ..`` (``[B, L-1-p]``, ``p = first_stats_position(stats_from_column)``;
-    ``[B, L-1]`` by default), micro-batch by micro-batch; ``entropy_grad``: the entropy carries
-    derivatives (``token_stats``). ``token_index``: the ``[M, n, r, L]`` plan of
-    :meth:`token_plan`: packed micro-batches (0 where a position predicts no real token)."""
-    if token_index is not None:
-      rows, width = batch.input_ids.shape
-      first_position = first_stats_position(stats_from_column)
-      parts = token_index.reshape(-1, *token_index.shape[2:])  # [M * n, r, L]
-      packed = PackedRows(*(self.constrain_micro_batches(x) for x in packed_rows(
-          parts, batch.input_ids, batch.attention_mask, first_position)))
-      stats = jax.lax.map(lambda p: self._packed_token_stats(params, p, entropy_grad), packed)
-      shape = (rows, width - 1 - first_position)
-      return jax.tree.map(lambda x: scatter_tokens(x, packed.stat_index, shape), stats)
-    n = self.plan.micro_batches(batch.input_ids.shape[0])
-    ids, attn = (self.constrain_micro_batches(split_rows(x, n)) for x in (batch.input_ids, batch.attention_mask))
-    first_position = first_stats_position(stats_from_column)
-    stats = jax.lax.map(lambda xs: self._token_stats(params, *xs, entropy_grad=entropy_grad,
-                                                     first_position=first_position), (ids, attn))
-    return jax.tree.map(merge_rows, stats)
-
-  def _micro_loss(self, params, micro, normaliser, first_update, first_position):
-    """The micro-batch's loss; aux: its clip counts and (stop-gradient) statistics. A packed
-    micro-batch (``micro`` holds ``segment_ids``; ``normaliser`` None) runs its packed rows."""
+  def _micro_loss(self, params, micro, normaliser, first_update, first_position, router_scale=1.0):
+    """The micro-batch's loss; aux: its clip and router counts and (stop-gradient) statistics. A
+    packed micro-batch (``micro`` holds ``segment_ids``; ``normaliser`` None) runs its packed rows.
+    ``router_scale``: the router terms' weight (1 / the mini-batch's micro-batches)."""
+    routed = routing.routed_inputs(micro)
     if "segment_ids" in micro:
       packed = PackedRows(*(micro[k] for k in PackedRows._fields))
-      stats = self._packed_token_stats(params, packed, entropy_grad=self.config.entropy_coef > 0)
+      stats, router = self._packed_token_stats(params, packed, self.config.entropy_coef > 0, routed)
     else:
-      stats = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
-                                entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
+      stats, router = self._token_stats(params, micro["input_ids"], micro["attention_mask"],
+                                        entropy_grad=self.config.entropy_coef > 0, first_position=first_position,
+                                        routed=routed)
     old_logp = jax.lax.stop_gradient(stats.logp) if first_update else micro["old_logp"]
     if "sampler_logp" in micro:  # a shared forward pass: the token weights from its own log-probs
       correction = self.config.rollout_correction
@@ -156,19 +118,22 @@ class Learner(ModelTrainer):
                                      correction.importance_weight_cap, correction.importance_weight_floor)
       micro = dict(micro, rollout_is_weight=weight)
     loss, counts = self.plan.loss_terms(stats, micro, normaliser, old_logp)
+    loss, counts = routing.with_router_terms(self.router, loss, counts, router, router_scale)
     return loss, (counts, jax.lax.stop_gradient(stats))
 
   def _single_pass_loss(self, params, per_token, response, sampler_logp, first_position, step):
     """The loss of a step that is one update on one micro-batch: the pre-update statistics
     (old log-probs, entropy mask) are the stop-gradient of the same forward pass, so the step
     costs one forward and one backward instead of two forwards and a backward."""
-    stats = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
-                              entropy_grad=self.config.entropy_coef > 0, first_position=first_position)
+    stats, router = self._token_stats(params, per_token["input_ids"], per_token["attention_mask"],
+                                      entropy_grad=self.config.entropy_coef > 0, first_position=first_position,
+                                      routed=routing.routed_inputs(per_token))
     fixed = jax.lax.stop_gradient(stats)
     correction = self.plan.rollout_correction(fixed.logp, sampler_logp, response)
     micro, masked, chosen = self.plan.token_choices(fixed, per_token, response, sampler_logp, step, correction)
     normaliser = self.plan.loss_normaliser(micro["loss_mask"], per_token["input_ids"])
     loss, counts = self.plan.loss_terms(stats, micro, normaliser, fixed.logp)
+    loss, counts = routing.with_router_terms(self.router, loss, counts, router)
     return loss, (counts, fixed, masked, chosen, micro["loss_mask"], correction)
 
   def _update(self, state: TrainState, mini: dict, first_update: bool, first_position: int,
@@ -186,15 +151,17 @@ class Learner(ModelTrainer):
       micros = plan.packed_micro_batches(self.config, mini, token_index, first_position, row_stride,
                                          self.constrain_micro_batches)
     grad_fn = self.value_and_grad(self._micro_loss, has_aux=True)
+    router_scale = 1.0 / micros["input_ids"].shape[0]  # the router terms: the mean over micro-batches
 
     def accumulate(carry, micro):
       grads, loss, counts = carry
       (micro_loss, (micro_counts, stats)), micro_grads = grad_fn(
-          state.params, micro, normaliser, first_update, first_position)
+          state.params, micro, normaliser, first_update, first_position, router_scale)
       counts = merge_counts(counts, micro_counts)
       return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), (stats if with_stats else None)
 
-    init = (self.zero_grads(state.params), jnp.zeros((), jnp.float32), plan.zero_counts())
+    init = (self.zero_grads(state.params), jnp.zeros((), jnp.float32),
+            routing.zero_counts(self.router, plan.zero_counts(), compared="expert_ids" in mini))
     (grads, loss, counts), stats = jax.lax.scan(accumulate, init, micros)
     state, grad_norm = self.apply_gradients(state, grads)
     if with_stats and token_index is not None:
@@ -238,7 +205,8 @@ class Learner(ModelTrainer):
     start = state
     first_position = first_stats_position(stats_from_column)
     response, advantages, sampler_logp = step_tokens(batch, first_position)
-    per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages}
+    per_token = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "advantages": advantages,
+                 **routing.routed_inputs(batch)}
     ref_logp = self._reference_logp(batch, reference, stats_from_column, token_index)
     if c.kl_coef > 0:
       per_token["ref_logp"] = ref_logp
@@ -262,7 +230,8 @@ class Learner(ModelTrainer):
       _, masked, chosen = self.plan.token_choices(stats, per_token, response, sampler_logp, state.step)
       loss_mask, losses, grad_norms, updates_done = response, [loss], [grad_norm], 1
     else:
-      stats = self.batch_stats(state.params, batch, stats_from_column, token_index=token_index)
+      stats, pre_update_router = self.batch_stats_and_router(state.params, batch, stats_from_column,
+                                                             token_index=token_index)
       correction = self.plan.rollout_correction(stats.logp, sampler_logp, response)
       per_token, masked, chosen = self.plan.token_choices(stats, per_token, response, sampler_logp, state.step,
                                                           correction)
@@ -288,6 +257,7 @@ class Learner(ModelTrainer):
           grad_norms.append(grad_norm)
           counts = mini_counts if counts is None else merge_counts(counts, mini_counts)
           updates_done += 1
+      counts = {**counts, **pre_update_router}  # the router's metrics: of the pre-update pass
 
     metrics, removed = metrics_lib.step_metrics(
         config=c, entropy_method=self.entropy_method, stats=stats, advantages=advantages, response=response,
@@ -373,6 +343,7 @@ class Learner(ModelTrainer):
     every = self.config.forecast_every
     measure = every > 0 and int(host_array(state.step)) % every == 0
     column = first_response_column(batch.response_mask)
+    routing.check_batch(self.config, batch)
     token_index = self.token_plan(batch)
     batch = self.place_batch(batch)
     reference = self._step_reference()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rft_jax.entropy import batch_entropy_change, masked_mean
+from rft_jax.rl.learner.routing import router_metrics
 from rft_jax.rl.losses import kl_penalty
 from rft_jax.rl.token_methods import TokenMethod
 
@@ -79,6 +80,7 @@ def step_metrics(*, config, entropy_method: TokenMethod, stats, advantages, resp
   metrics.update(chosen.metrics)
   if correction is not None:
     metrics.update(correction.metrics)
+  metrics.update(router_metrics(counts))  # an MoE policy's router terms and routing
   if ref_logp is not None:  # measured with the pre-update parameters
     metrics["kl"] = masked_mean(kl_penalty(stats.logp, ref_logp, config.kl_estimator), valid)
   return metrics, removed

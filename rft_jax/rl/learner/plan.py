@@ -14,7 +14,7 @@ from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.losses import aggregate_loss, aggregation_weights, kl_penalty, loss_normaliser
 from rft_jax.rl.objectives import Objective
 from rft_jax.rl.rollout_correction import RolloutCorrection, rollout_correction
-from rft_jax.rl.token_batches import gather_tokens, packed_row_count, packed_rows
+from rft_jax.rl.token_batches import gather_slots, gather_tokens, packed_row_count, packed_rows
 from rft_jax.rl.token_methods import TokenInputs, TokenMethod, configured_method
 
 # The clip counts of an update before its first micro-batch (``merge_counts`` adds to them).
@@ -151,8 +151,10 @@ def packed_micro_batches(config: LearnerConfig, mini: dict, token_index, first_p
   normaliser = step_loss_normaliser(config, mini["loss_mask"], mini["input_ids"])
   per_token = dict(mini, loss_weight=aggregation_weights(mini["loss_mask"], config.loss_agg, normaliser))
   packed = packed_rows(token_index, mini["input_ids"], mini["attention_mask"], first_position, row_stride)
+  slots = ("expert_ids", "routed")  # aligned with input_ids: each slot's token's
   micros = {k: gather_tokens(v, packed.stat_index) for k, v in per_token.items()
-            if k not in ("input_ids", "attention_mask")}
+            if k not in ("input_ids", "attention_mask") + slots}
+  micros.update({k: gather_slots(token_index, mini[k], row_stride) for k in slots if k in mini})
   micros.update(packed._asdict())
   return {k: constrain(v) for k, v in micros.items()}
 
