@@ -39,6 +39,7 @@ from rft_jax.models.lora_model import adapted_weights
 from rft_jax.models.paged_kv import pages_for
 from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
                               state_shardings, with_shardings)
+from rft_jax.plan.parameters import parameter_report
 from rft_jax.plan.topology import GiB, Topology
 from rft_jax.rl.critic import Critic, ValueModel
 from rft_jax.rl.learner import Learner, LearnerBatch
@@ -104,6 +105,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   graphdef, abstract = nnx.split(abstract_model(config))
   state = with_shardings(abstract, state_shardings(abstract, mesh))
   model = nnx.merge(graphdef, state)
+  parameters = parameter_report(state, config)
 
   learner = Learner(model, cfg.learner, mesh=mesh)
   train_state = learner.abstract_state(nnx.state(model, nnx.Param))
@@ -160,11 +162,13 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       "mesh": {"data": data, "model": model_axis}, "hbm_bytes_per_device": topo.hbm_bytes,
       "model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
                 "hidden_size": config.hidden_size, "dtype": cfg.model.dtype,
+                "experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,
                 "param_dtype": cfg.model.param_dtype, "remat": cfg.model.remat,
                 "attention": cfg.model.attention,
                 "lora": None if config.lora is None else {
                     "rank": config.lora.rank, "alpha": config.lora.alpha,
                     "targets": list(config.lora.targets)}},
+      "parameters": parameters,
       "learner": learner_report, "critic": critic_report, "sampler": sampler_report,
       "fits": all(r["fits"] for r in (learner_report, critic_report, sampler_report) if r is not None),
       "warnings": layout_warnings(config, model_axis),
@@ -214,9 +218,13 @@ def _plan_critic_step(critic: Critic, state, batch: LearnerBatch, topo: Topology
 
 def layout_warnings(config: QwenConfig, model_axis: int) -> list[str]:
   """What the sharding rules cannot split over the ``model`` axis and silently replicate."""
+  mlp = (("MLP width", config.intermediate_size),)
+  if config.is_moe:  # experts over 'model' whole, or split by their width where they do not divide
+    mlp = (("routed experts (nor their width)", config.num_experts),)
+    mlp = () if config.moe_intermediate_size % max(model_axis, 1) == 0 else mlp
   sizes = (("query heads", config.num_attention_heads),
-           ("key/value heads", config.num_key_value_heads),
-           ("MLP width", config.intermediate_size), ("vocabulary rows", config.vocab_size))
+           ("key/value heads", config.num_key_value_heads), *mlp,
+           ("vocabulary rows", config.vocab_size))
   return [f"{size} {name} do not divide mesh.model={model_axis}: those weights"
           f"{' and the KV cache' if 'key' in name else ''} are replicated over 'model'"
           for name, size in sizes if model_axis > 1 and size % model_axis]

@@ -18,6 +18,7 @@ def format_report(report: dict[str, Any]) -> str:
       f"{report['topology']}: {report['devices']} x {report['device_kind']}, "
       f"{g(report['hbm_bytes_per_device'])} GiB each; mesh data={mesh['data']} "
       f"model={mesh['model']}",
+      *_parameter_lines(report, g),
       f"learner  {l['rows']} rows x {l['sequence_length']} tokens, micro-batch "
       f"{l['micro_batch_size']}: parameters {g(l['parameter_bytes'])} + optimizer "
       f"{g(l['optimizer_state_bytes'])} + KL reference {g(l['reference_bytes'])} GiB; arguments {g(l['argument_bytes'])} + temp "
@@ -38,6 +39,21 @@ def format_report(report: dict[str, Any]) -> str:
       f"fits: {'yes' if report['fits'] else 'NO'}",
   ]
   return "\n".join(lines)
+
+
+def _parameter_lines(report: dict[str, Any], g) -> list[str]:
+  """The parameters, those a token uses, and each group's bytes per device (an MoE model's
+  routed experts first), in words."""
+  p, m = report.get("parameters"), report["model"]
+  if p is None:
+    return []
+  count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
+  active = (f" ({count(p['active_parameters'])} active per token: {m['experts_per_token']} of "
+            f"{m['experts']} experts)" if p["active_parameters"] != p["parameters"] else "")
+  groups = "; ".join(f"{name} {count(q['parameters'])}: {g(q['bytes_per_device'])} of "
+                     f"{g(q['bytes'])} GiB per device {' '.join(q['specs'])}"
+                     for name, q in p["groups"].items() if name == "routed experts")
+  return [f"params   {count(p['parameters'])}{active}" + (f"; {groups}" if groups else "")]
 
 
 def _resident_words(report: dict[str, Any]) -> str:
