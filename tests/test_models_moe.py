@@ -108,9 +108,10 @@ def test_routing_replay_keeps_the_routers_gradient(models):
                              z[:2].mean(), rtol=1e-5)
 
 
-def test_dense_models_refuse_routing(tmp_path):
-  model = nnx.eval_shape(lambda: __import__("rft_jax.models", fromlist=["Qwen"]).Qwen(
-      QwenConfig("qwen3", 64, 32, 64, 1, 4, 2), rngs=nnx.Rngs(0)))
+def test_dense_models_refuse_routing():
+  from rft_jax.models import Qwen
+
+  model = nnx.eval_shape(lambda: Qwen(QwenConfig("qwen3", 64, 32, 64, 1, 4, 2), rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="need an MoE model; model_type 'qwen3' has no experts"):
     model(jnp.zeros((1, 2), jnp.int32), return_routing=True)
 
@@ -264,3 +265,28 @@ def test_qwen3_30b_a3b_config_reads_and_builds_abstractly():
   assert logits.shape == (2, 16, 151936)
   assert routing.router_logits.shape == (48, 2, 16, 128)
   assert routing.expert_ids.shape == (48, 2, 16, 8)
+
+
+def test_decode_paths_return_the_routing_of_the_full_forward(models):
+  """What rollout routing replay records: the cache paths' expert ids of a token equal the full
+  forward's at its position (prefill, the XLA step, the feature-major CPU step)."""
+  from rft_jax.models import Qwen, feature_major
+
+  model = models["qwen2_moe"]
+  ids, mask = (jnp.asarray(a) for a in _left_padded())
+  prompt, next_ids = ids[:, :7], ids[:, 7]
+  _, routing = _forward(model, ids, mask)
+  logits, cache, prompt_ids = model.prefill(prompt, mask[:, :7], model.init_cache(3, 9),
+                                            return_routing=True)
+  real = np.asarray(mask[:, :7]).astype(bool)
+  np.testing.assert_array_equal(np.asarray(prompt_ids)[:, real],
+                                np.asarray(routing.expert_ids)[:, :, :7][:, real])
+  _, _, step_ids = model.decode_step(next_ids, cache, return_routing=True)
+  np.testing.assert_array_equal(step_ids, routing.expert_ids[:, :, 7])
+  weights = feature_major.decode_weights(model)
+  _, _, cpu_ids = feature_major.decode_step(model, weights, next_ids, cache, return_routing=True)
+  np.testing.assert_array_equal(cpu_ids, routing.expert_ids[:, :, 7])
+  dense = nnx.eval_shape(lambda: Qwen(QwenConfig("qwen3", 64, 32, 64, 1, 4, 2),
+                                      rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="need an MoE model"):
+    dense.decode_step(jnp.zeros((1,), jnp.int32), None, return_routing=True)

@@ -70,13 +70,15 @@ class DecoderLayer(nnx.Module):
 
   def prefill(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
               attention: SelfAttention, k_cache: Float[Array, "B K H S"],
-              v_cache: Float[Array, "B K S H"], *, last_only: bool = False):
+              v_cache: Float[Array, "B K S H"], *, last_only: bool = False,
+              return_routing: bool = False):
     """:meth:`__call__` on a prompt that also writes its keys/values at slots ``[0, T)`` of an
     empty cache layer. Attention reads them as stored (in the cache dtype), as decoding will.
     With ``last_only`` only the last position goes on past the cache write (``[B, 1, D]``).
 
     Returns:
-      ``(x, k_cache, v_cache)``.
+      ``(x, k_cache, v_cache)``, and with ``return_routing`` the MoE block's
+      :class:`~rft_jax.models.moe.Routing` of the positions that went on (None when dense).
     """
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
@@ -87,38 +89,46 @@ class DecoderLayer(nnx.Module):
       x, o = x[:, -1:], attend(q[:, -1:], k, v, valid[:, None, :])
     else:
       o = attention(q, k, v, valid)
-    return self._residual(x, o), k_cache, v_cache
+    x, routing = self._residual(x, o)
+    return (x, k_cache, v_cache, routing) if return_routing else (x, k_cache, v_cache)
 
   def extend(self, x: Float[Array, "B T D"], rope: Rope, mask: Bool[Array, "B T S"],
              k_cache: Float[Array, "B K H S"], v_cache: Float[Array, "B K S H"],
-             index: Int[Array, ""] | Int[Array, "B"]):
+             index: Int[Array, ""] | Int[Array, "B"], *, return_routing: bool = False):
     """One layer on T new tokens: writes their keys/values at slots ``[index, index + T)`` of
     this layer's cache (``index``: shared, or ``[B]`` one per row), then attends to the cache
     (``mask``: which slots each query sees; ``rope``: :meth:`Qwen.rope` of the tokens'
     positions, shared by the layers).
 
     Returns:
-      ``(x, k_cache, v_cache)``.
+      ``(x, k_cache, v_cache)``, and with ``return_routing`` the MoE block's
+      :class:`~rft_jax.models.moe.Routing` (None when dense).
     """
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
     k_cache = write_slots(k_cache, k.transpose(0, 2, 3, 1), index, axis=3)
     v_cache = write_slots(v_cache, v.transpose(0, 2, 1, 3), index, axis=2)
     o = attend_cache(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-    return self._residual(x, o), k_cache, v_cache
+    x, routing = self._residual(x, o)
+    return (x, k_cache, v_cache, routing) if return_routing else (x, k_cache, v_cache)
 
-  def attend_with(self, x: Float[Array, "B T D"], rope: Rope, attention):
+  def attend_with(self, x: Float[Array, "B T D"], rope: Rope, attention, *,
+                  return_routing: bool = False):
     """One layer on new tokens whose attention another cache computes: ``attention(q, k, v)``
     (``[B, T, N, H]``, ``[B, T, K, H]`` twice) returns ``(o, cache)``, the output and that
     cache with the tokens' keys and values (a paged cache's, :meth:`Qwen.paged_decode_step`).
 
     Returns:
-      ``(x, cache)``.
+      ``(x, cache)``, and with ``return_routing`` the MoE block's
+      :class:`~rft_jax.models.moe.Routing` (None when dense).
     """
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
     o, cache = attention(q, k, v)
-    return self._residual(x, o), cache
+    x, routing = self._residual(x, o)
+    return (x, cache, routing) if return_routing else (x, cache)
 
   def _residual(self, x: Float[Array, "B T D"], o: Float[Array, "B T N H"]
-                ) -> Float[Array, "B T D"]:
+                ) -> tuple[Float[Array, "B T D"], Routing | None]:
+    """The cache paths' rest of the layer: ``(x, routing)`` after the attention output ``o``."""
     x = x + self.attn.out(o)
-    return x + self.feed_forward(self.post_attention_layernorm(x), decoding=True)[0]
+    y, routing = self.feed_forward(self.post_attention_layernorm(x), decoding=True)
+    return x + y, routing

@@ -156,8 +156,8 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
 
 
 def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: KVCache,
-                attention: Callable = attend, live: Bool[Array, "B"] | None = None
-                ) -> tuple[Float[Array, "V B"], KVCache]:
+                attention: Callable = attend, live: Bool[Array, "B"] | None = None,
+                return_routing: bool = False) -> tuple[Float[Array, "V B"], KVCache]:
   """:meth:`Qwen.decode_step` (one token per row), returning the logits vocabulary-major.
 
   Args:
@@ -172,9 +172,11 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     live: ``[B]`` the rows whose logits the caller keeps (None: all). The others, such as a
       continuous pool's stopped slots, attend to the slot they write only, so that the kernel,
       which reads a row's live slots only, skips their caches; their logits mean nothing.
+    return_routing: an MoE model also returns each layer's expert ids of the tokens.
 
   Returns:
-    ``(logits [V, B] float32, cache)``.
+    ``(logits [V, B] float32, cache)``, and with ``return_routing`` the expert ids
+    ``[L, B, k]`` int32 as a third element.
   """
   c = model.config
   dtype, eps = c.dtype, c.rms_norm_eps
@@ -191,7 +193,9 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
   cos, sin = (jnp.take(t[0, :, 0], cache.positions, axis=0, mode="clip").T for t in tables)
 
   x = jnp.take(weights.embed, tokens, axis=0).astype(dtype).T  # [D, B]
-  k_all, v_all = [], []
+  if return_routing and not c.is_moe:
+    raise ValueError(f"decode_step: return_routing needs an MoE model, not {c.model_type!r}")
+  k_all, v_all, expert_ids = [], [], []
   for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v):
     qkv = layer.qkv @ rms_norm(x, layer.input_norm, eps, axis=0)  # [(N + 2K) H, B]
     if layer.qkv_bias is not None:
@@ -211,9 +215,10 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     if layer.o_bias is not None:
       x = x + layer.o_bias[:, None]
     if layer.moe is not None:  # token-major: [B, D] rows through the grouped products
-      y, _ = sparse_block(rms_norm(x, layer.post_norm, eps, axis=0).T, layer.moe,
-                          c.num_experts_per_tok, c.norm_topk_prob, vmappable=True)
+      y, routing = sparse_block(rms_norm(x, layer.post_norm, eps, axis=0).T, layer.moe,
+                                c.num_experts_per_tok, c.norm_topk_prob, vmappable=True)
       x = x + y.T
+      expert_ids.append(routing.expert_ids)
     else:
       gate_up = layer.gate_up @ rms_norm(x, layer.post_norm, eps, axis=0)  # [2F, B]
       gate, up = jnp.split(gate_up, 2)
@@ -224,4 +229,4 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
   logits = jnp.matmul(weights.unembed, hidden, preferred_element_type=jnp.float32)
   cache = KVCache(k=tuple(k_all), v=tuple(v_all), slot_mask=slot_mask,
                   positions=cache.positions + 1, index=cache.index + 1)
-  return logits, cache
+  return (logits, cache, jnp.stack(expert_ids)) if return_routing else (logits, cache)

@@ -168,9 +168,15 @@ class Qwen(nnx.Module):
 
     return jax.tree_util.tree_map_with_path(cast, nnx.state(self))
 
+  def _check_routing(self, return_routing: bool) -> None:
+    if return_routing and not self.config.is_moe:
+      raise ValueError(f"Qwen: expert_ids / return_routing need an MoE model; model_type "
+                       f"{self.config.model_type!r} has no experts")
+
   def _cached_layers(self, x, positions, mask, cache: KVCache,
                      layers: tuple[DecoderLayer, ...] | None):
-    """The layers one by one over their own caches (decoding; see ``kv_cache``'s layout note).
+    """The layers one by one over their own caches (decoding; see ``kv_cache``'s layout note);
+    ``(hidden, k, v, expert_ids)``, expert ids stacked ``[L, B, T, k]`` (None when dense).
 
     Unrolled rather than scanned: each layer's cache is then read and written in place.
     ``layers``: :meth:`unstacked_layers`, or None to slice them here.
@@ -181,12 +187,14 @@ class Qwen(nnx.Module):
     # layer's q and k).
     tables = self.rope(jnp.arange(cache.max_len)[None])  # [1, S, 1, H] each
     rope = tuple(jnp.take(t[0], positions, axis=0, mode="clip") for t in tables)
-    k_all, v_all = [], []
+    k_all, v_all, routings = [], [], []
     for i, layer in enumerate(self.unstacked_layers() if layers is None else layers):
-      x, k, v = layer.extend(x, rope, mask, cache.k[i], cache.v[i], cache.index)
+      x, k, v, routing = layer.extend(x, rope, mask, cache.k[i], cache.v[i], cache.index,
+                                      return_routing=True)
       k_all.append(k)
       v_all.append(v)
-    return self.norm(x), tuple(k_all), tuple(v_all)
+      routings.append(routing)
+    return self.norm(x), tuple(k_all), tuple(v_all), _stacked_expert_ids(routings)
 
   # ------------------------------------------------------------------------------------------
   # Full forward.
@@ -218,9 +226,7 @@ class Qwen(nnx.Module):
     Raises:
       ValueError: ``expert_ids`` or ``return_routing`` on a dense model.
     """
-    if (expert_ids is not None or return_routing) and not self.config.is_moe:
-      raise ValueError(f"Qwen: expert_ids / return_routing need an MoE model; model_type "
-                       f"{self.config.model_type!r} has no experts")
+    self._check_routing(expert_ids is not None or return_routing)
     if segment_ids is not None:
       if positions is None:
         raise ValueError("Qwen: segment_ids (packed rows) need each sequence's positions")
@@ -244,9 +250,11 @@ class Qwen(nnx.Module):
     return init_cache(self.config, batch, max_len, dtype)
 
   def extend(self, input_ids: Int[Array, "B T"], token_mask: Int[Array, "B T"], cache: KVCache,
-             *, layers: tuple[DecoderLayer, ...] | None = None
+             *, layers: tuple[DecoderLayer, ...] | None = None, return_routing: bool = False
              ) -> tuple[Float[Array, "B T D"], KVCache]:
-    """Appends T slots to every row and returns their final hidden states.
+    """Appends T slots to every row and returns their final hidden states (and with
+    ``return_routing``, an MoE model's expert ids of the new tokens, ``[L, B, T, k]``, as a
+    third element: what rollout routing replay records).
 
     Slot ``cache.index + t`` of row ``b`` (``cache.index[b] + t`` with per-row indices) holds
     ``input_ids[b, t]`` if ``token_mask[b, t]``, else padding. Each query attends to the real
@@ -254,6 +262,7 @@ class Qwen(nnx.Module):
     write is clamped otherwise). ``layers``: this model's :meth:`unstacked_layers`, sliced once
     by a caller that runs many steps.
     """
+    self._check_routing(return_routing)
     b, t = input_ids.shape
     if t > cache.max_len:
       raise ValueError(f"extend: {t} new tokens exceed the cache length {cache.max_len}")
@@ -262,18 +271,20 @@ class Qwen(nnx.Module):
         cache.positions[:, None] + jnp.cumsum(token_mask, axis=-1) - 1, 0)
     slot_mask = write_slots(cache.slot_mask, token_mask.astype(jnp.bool_), cache.index, axis=1)
     mask = visible_slots(slot_mask, query_slots(cache.index, b, t))
-    hidden, k, v = self._cached_layers(self._embed(input_ids), positions, mask, cache, layers)
+    hidden, k, v, expert_ids = self._cached_layers(self._embed(input_ids), positions, mask, cache,
+                                                   layers)
     cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                     positions=cache.positions + jnp.sum(token_mask, axis=-1),
                     index=cache.index + t)
-    return hidden, cache
+    return (hidden, cache, expert_ids) if return_routing else (hidden, cache)
 
   def prefill(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"],
               cache: KVCache, *, mesh: Mesh | None = None,
-              layers: tuple[DecoderLayer, ...] | None = None
+              layers: tuple[DecoderLayer, ...] | None = None, return_routing: bool = False
               ) -> tuple[Float[Array, "B V"], KVCache]:
     """Runs a left-padded prompt batch into the empty ``cache`` (slots ``[0, T)``); returns the
-    last position's logits.
+    last position's logits (and with ``return_routing``, an MoE model's expert ids of every
+    prompt position, ``[L, B, T, k]``).
 
     The prompt attends within itself with :meth:`self_attention` (memory linear in T), not
     against the cache's slots. ``mesh``: as for :meth:`__call__`; ``layers``: this model's
@@ -286,45 +297,63 @@ class Qwen(nnx.Module):
     valid = attention_mask.astype(jnp.bool_)
     rope = self.rope(positions_from_mask(attention_mask))
     attention = self.self_attention(mesh)
-    x, k_all, v_all = self._embed(input_ids), [], []
+    self._check_routing(return_routing)
+    x, k_all, v_all, routings = self._embed(input_ids), [], [], []
     for i, layer in enumerate(layers):
-      x, k, v = layer.prefill(x, rope, valid, attention, cache.k[i], cache.v[i],
-                              last_only=i == len(layers) - 1)
+      x, k, v, routing = layer.prefill(x, rope, valid, attention, cache.k[i], cache.v[i],
+                                       last_only=i == len(layers) - 1 and not return_routing,
+                                       return_routing=True)
       k_all.append(k)
       v_all.append(v)
+      routings.append(routing)
     cache = KVCache(k=tuple(k_all), v=tuple(v_all),
                     slot_mask=jax.lax.dynamic_update_slice(cache.slot_mask, valid, (0, 0)),
                     positions=jnp.sum(attention_mask.astype(jnp.int32), axis=-1),
                     index=jnp.asarray(t, jnp.int32))
-    return self.logits(self.norm(x)[:, -1]), cache
+    logits = self.logits(self.norm(x)[:, -1])
+    return (logits, cache, _stacked_expert_ids(routings)) if return_routing else (logits, cache)
 
   def decode_step(self, tokens: Int[Array, "B"], cache: KVCache, *,
-                  layers: tuple[DecoderLayer, ...] | None = None
+                  layers: tuple[DecoderLayer, ...] | None = None, return_routing: bool = False
                   ) -> tuple[Float[Array, "B V"], KVCache]:
     """Feeds one token per row; returns the next-token logits ``[B, V]`` and the cache
-    (``layers``: as for :meth:`extend`)."""
-    hidden, cache = self.extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), jnp.int32), cache,
-                                layers=layers)
-    return self.logits(hidden[:, 0]), cache
+    (``layers``, ``return_routing``: as for :meth:`extend`; the expert ids ``[L, B, k]``)."""
+    out = self.extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), jnp.int32), cache,
+                      layers=layers, return_routing=return_routing)
+    logits = self.logits(out[0][:, 0])
+    return (logits, out[1], out[2][:, :, 0]) if return_routing else (logits, out[1])
 
   def paged_decode_step(self, tokens: Int[Array, "S"], cache: PagedKVCache, writing: Bool[Array, "S"],
                         *, layers: tuple[DecoderLayer, ...] | None = None, kind: str = "xla",
-                        mesh: Mesh | None = None) -> tuple[Float[Array, "S V"], PagedKVCache]:
+                        mesh: Mesh | None = None, return_routing: bool = False
+                        ) -> tuple[Float[Array, "S V"], PagedKVCache]:
     """:meth:`decode_step` on a :class:`~rft_jax.models.paged_kv.PagedKVCache`: each writing
     slot's token goes at its position ``cache.lengths[s]`` (RoPE position and cache slot are
     the same there) and its query reads the slot's tokens up to itself; ``kind``: the paged
     attention (:func:`~rft_jax.models.paged_kv.paged_attention`, a Pallas kernel laid out on
-    ``mesh``). The lengths of the writing
-    slots advance by one; the others change nothing."""
+    ``mesh``). The lengths of the writing slots advance by one; the others change nothing.
+    ``return_routing``: an MoE model's expert ids ``[L, S, k]`` as a third element."""
+    self._check_routing(return_routing)
     lengths = cache.lengths
     rope = self.rope(lengths[:, None])
-    x = self._embed(tokens[:, None])
+    x, routings = self._embed(tokens[:, None]), []
     for i, layer in enumerate(self.unstacked_layers() if layers is None else layers):
       def attention(q, k, v, i=i, cache=cache):
         cache = write_token(cache, i, k[:, 0], v[:, 0], writing)
         o = paged_attention(q[:, 0], cache.k[i], cache.v[i], cache.pages, lengths + 1, kind=kind,
                             mesh=mesh)
         return o[:, None].astype(q.dtype), cache
-      x, cache = layer.attend_with(x, rope, attention)
+      x, cache, routing = layer.attend_with(x, rope, attention, return_routing=True)
+      routings.append(routing)
     cache = cache.replace(lengths=lengths + writing.astype(lengths.dtype))
-    return self.logits(self.norm(x)[:, 0]), cache
+    logits = self.logits(self.norm(x)[:, 0])
+    if return_routing:
+      return logits, cache, _stacked_expert_ids(routings)[:, :, 0]
+    return logits, cache
+
+
+def _stacked_expert_ids(routings: Sequence[Routing | None]) -> Int[Array, "L ..."] | None:
+  """The layers' expert ids stacked on a leading layer axis (None for a dense model)."""
+  if routings[0] is None:
+    return None
+  return jnp.stack([r.expert_ids for r in routings])
