@@ -58,7 +58,7 @@ from rft_jax.models import cpu_attention, feature_major, fused_decode
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import resolve_kind
 from rft_jax.parallel import Rules
-from rft_jax.sampling import paged_shards
+from rft_jax.sampling import paged_shards, routing_record
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling import loop
 from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, DecodeSpec, cache_slots, constrain,
@@ -220,8 +220,9 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   step_layers = layers if platform == "gpu" else None  # see loop.py: GPUs slice layers once
   kernels = None if on_cpu else fused_decode.decode_kernels_kind(
       model.config, platform, loop.devices_of(mesh), spec.slots[0])  # the dense cache's step
-  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
-                                       layers=layers)
+  routed = routing_record.records_routing(model)
+  logits, prompt_cache, prompt_routing = routing_record.prefill(
+      model, prompt_ids, prompt_mask, prompt_cache, mesh=mesh, layers=layers, routed=routed)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
   attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
   # The kernel reads tiled keys faster (rft_jax.models.cpu_attention.tile_keys).
@@ -258,6 +259,9 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
           jnp.where(real, first_logp, 0.0)), rows, mesh, rules),
       lengths=real.astype(jnp.int32),
       done=~real | stopped,
+      expert_ids=routing_record.constrain_rows(
+          routing_record.empty_record(model.config, r, m) if routed else None,
+          lambda x, axes: constrain(x, axes, mesh, rules)),
   )
 
   insert_from = _tiled_prompts(prompt_cache) if tiled else prompt_cache
@@ -277,25 +281,30 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   def decode(s: PoolState, sample_uniforms: Float[Array, "R M"] = uniforms) -> PoolState:
     u = s.slot_uniforms(sample_uniforms)
     if spec.kv_pages is not None:
-      logits, cache = model.paged_decode_step(s.last_tokens, s.cache, s.running,
-                                              layers=layers if on_cpu else step_layers,
-                                              kind=paged_kind, mesh=mesh)
+      out = model.paged_decode_step(s.last_tokens, s.cache, s.running,
+                                    layers=layers if on_cpu else step_layers,
+                                    kind=paged_kind, mesh=mesh, **routing_record.asked(routed))
       vocab_axis = 1
     elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
-                                                live=s.running)  # stopped slots skip attention
+      out = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
+                                      live=s.running, **routing_record.asked(routed))  # stopped slots skip attention
       vocab_axis = 0
-    else:
-      logits, cache = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
+    elif routed:  # the fused kernels decline MoE: the model's own step, with its routing
+      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, return_routing=True)
       vocab_axis = 1
+    else:
+      out = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
+      vocab_axis = 1
+    logits, cache, fed_ids = routing_record.split_step(out, routed)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     if spec.kv_pages is None:
       cache = constrain(cache, pool_axes, mesh, rules)
-    return s.replace(cache=cache).record(tokens, logp, spec.is_stop(tokens))
+    return s.replace(cache=cache).record(tokens, logp, spec.is_stop(tokens), fed_ids)
 
   if spec.kv_pages is not None:
     return paged_shards.run_paged(pool, decode, uniforms, prompt_cache, prompt_lengths, waiting,
-                                  first, model.config, spec, mesh, rules)
+                                  first, model.config, spec, mesh, rules
+                                  ).replace(prompt_expert_ids=prompt_routing)
   for stage, size in enumerate(spec.slots):
     if stage:
       pool = _compact(pool, size)
@@ -306,7 +315,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
       return (s.admitted < queued) | (jnp.sum(s.running) > smaller)
     step = (lambda s: decode(admit(s))) if stage == 0 else decode  # later, nothing waits
     pool = jax.lax.while_loop(busy, step, pool)
-  return pool.replace(cache=None)
+  return pool.replace(cache=None, prompt_expert_ids=prompt_routing)
 
 
 _STATIC = ("graphdef", "spec", "mesh", "rules")

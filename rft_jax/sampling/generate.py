@@ -72,7 +72,9 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       (:func:`rft_jax.rl.learner.learner_batch`); only the token ids and lengths come to the host.
 
   Returns:
-    :class:`Rollouts`, prompt by prompt, ``n`` completions each.
+    :class:`Rollouts`, prompt by prompt, ``n`` completions each; for a mixture-of-experts model
+    with the experts of every token it ran (:mod:`rft_jax.sampling.routing_record`), on the
+    devices with ``keep_on_device``.
 
   Raises:
     ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a seed out of
@@ -125,7 +127,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
     # Left on device (a few MB per call) and fetched once every call is queued: the device
     # does not wait for a transfer between calls. Each call's KV cache is freed when it ends.
     outs.append((out.tokens, out.logprobs, out.lengths, out.done,
-                 getattr(out, "evictions", None)))
+                 getattr(out, "evictions", None), out.expert_ids, out.prompt_expert_ids))
   keep = num * n
   tokens, lengths, done = (np.concatenate([host_array(o[field]) for o in outs])[:keep]
                            for field in (0, 2, 3))
@@ -134,6 +136,14 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
     on_device = OnDevice(*(_device_rows([o[field] for o in outs], keep) for field in (0, 1)))
   else:
     logprobs = np.concatenate([host_array(o[1]) for o in outs])[:keep].astype(np.float32)
+  prompt_routing = completion_routing = None
+  if outs[0][5] is not None:  # an MoE model's recorded routing (rft_jax.sampling.routing_record)
+    if keep_on_device:
+      completion_routing = _device_rows([o[5] for o in outs], keep)
+      prompt_routing = _device_rows([o[6] for o in outs], num)
+    else:
+      completion_routing = np.concatenate([host_array(o[5]) for o in outs])[:keep]
+      prompt_routing = np.concatenate([host_array(o[6]) for o in outs])[:num]
   return Rollouts(
       prompt_ids=ids[:num],
       prompt_lengths=np.asarray([len(x) for x in prompts], np.int32),
@@ -144,6 +154,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       prompt_index=np.repeat(np.arange(num, dtype=np.int32), n),
       on_device=on_device,
       evictions=sum(int(host_array(o[4])) for o in outs if o[4] is not None),
+      prompt_expert_ids=prompt_routing,
+      completion_expert_ids=completion_routing,
   )
 
 

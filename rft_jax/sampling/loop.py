@@ -39,6 +39,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 from rft_jax.models import cpu_attention, feature_major, fused_decode
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import TP_RULES, Rules, state_shardings, tree_shardings
+from rft_jax.sampling import routing_record
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.strategies import Strategy
@@ -56,6 +57,9 @@ class LoopState:
     tokens: ``[R, M]`` recorded tokens, 0 after the end.
     logprobs: ``[R, M]`` their log-probabilities, 0 after the end.
     cache: the decode cache.
+    expert_ids: an MoE model's ``[R, M, L, k]`` recorded routing of the fed tokens
+      (:mod:`~rft_jax.sampling.routing_record`); None for a dense model.
+    prompt_expert_ids: ``[B, P, L, k]`` the prompts' routing in the prefill; None when dense.
   """
 
   step: Int[Array, ""]
@@ -65,6 +69,8 @@ class LoopState:
   tokens: Int[Array, "R M"]
   logprobs: Float[Array, "R M"]
   cache: KVCache
+  expert_ids: Array | None = None
+  prompt_expert_ids: Array | None = None
 
 
 def constrain(tree, axes, mesh: Mesh | None, rules: Rules):
@@ -75,10 +81,15 @@ def constrain(tree, axes, mesh: Mesh | None, rules: Rules):
 
 
 def _record(state: LoopState, tokens: Int[Array, "R"], logp: Float[Array, "R"],
-            stopped: Bool[Array, "R"]) -> LoopState:
+            stopped: Bool[Array, "R"], fed_ids: Int[Array, "L R k"] | None = None) -> LoopState:
   """Writes the tokens of the rows still running at column ``step`` and advances (``stopped``:
-  the tokens that end their rows)."""
+  the tokens that end their rows; ``fed_ids``: the experts of the tokens the step fed, those of
+  column ``step - 1``)."""
   active = ~state.done
+  if fed_ids is not None:
+    rows = jnp.arange(active.shape[0])
+    state = state.replace(expert_ids=routing_record.write_fed(
+        state.expert_ids, rows, jnp.full_like(rows, state.step - 1), fed_ids, active))
   return state.replace(
       step=state.step + 1,
       last_tokens=tokens,
@@ -210,8 +221,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   # (QwenConfig.decode_kernels, rft_jax.models.fused_decode); CPUs decode feature-major.
   kernels = None if on_cpu else fused_decode.decode_kernels_kind(model.config, platform,
                                                                  devices_of(mesh), b * n)
-  logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, prompt_cache, mesh=mesh,
-                                       layers=layers)
+  routed = routing_record.records_routing(model)
+  logits, prompt_cache, prompt_routing = routing_record.prefill(
+      model, prompt_ids, prompt_mask, prompt_cache, mesh=mesh, layers=layers, routed=routed)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
   attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
 
@@ -231,22 +243,29 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       tokens=constrain(jnp.zeros((r, m), jnp.int32), rows, mesh, rules),
       logprobs=constrain(jnp.zeros((r, m), jnp.float32), rows, mesh, rules),
       cache=None,
+      expert_ids=routing_record.constrain_rows(
+          routing_record.empty_record(model.config, r, m) if routed else None,
+          lambda x, axes: constrain(x, axes, mesh, rules)),
   )
   tokens, logp = spec.strategy(logits, uniforms[:, 0], temperature, top_k, top_p)
   loop = _record(loop, tokens, logp, spec.is_stop(tokens))
 
   def body(s: LoopState) -> LoopState:
     if on_cpu:  # weight-first products, [V, B] logits (see rft_jax.models.feature_major)
-      logits, cache = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
-                                                live=~s.done)  # done rows skip attention
+      out = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
+                                      live=~s.done, **routing_record.asked(routed))  # done rows skip attention
       vocab_axis = 0
-    else:
-      logits, cache = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
+    elif routed:  # the fused kernels decline MoE: the model's own step, with its routing
+      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, return_routing=True)
       vocab_axis = 1
+    else:
+      out = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
+      vocab_axis = 1
+    logits, cache, fed_ids = routing_record.split_step(out, routed)
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     s = s.replace(cache=constrain(cache, axes, mesh, rules))
-    return _record(s, tokens, logp, spec.is_stop(tokens))
+    return _record(s, tokens, logp, spec.is_stop(tokens), fed_ids)
 
   previous, repeats = prompt_cache, n
   for end in spec.segment_ends:
@@ -254,7 +273,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     loop = loop.replace(cache=constrain(grown, axes, mesh, rules))
     loop = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, loop)
     previous, repeats = loop.cache, 1
-  return loop.replace(cache=None)
+  return loop.replace(cache=None, prompt_expert_ids=prompt_routing)
 
 
 _STATIC = ("graphdef", "spec", "mesh", "rules")

@@ -84,8 +84,8 @@ def run_paged(pool: PoolState, decode, uniforms: Float[Array, "R M"], prompt_cac
     spec: the call's :class:`~rft_jax.sampling.continuous.PoolSpec`.
 
   Returns:
-    The pools' final state joined over the shards: ``tokens``, ``logprobs``, ``lengths`` and
-    ``done`` by sample (``[R, M]`` / ``[R]``, rows as in ``pool``), ``admissions`` and
+    The pools' final state joined over the shards: ``tokens``, ``logprobs``, ``lengths``,
+    ``done`` and an MoE model's recorded ``expert_ids`` by sample (``[R, M]`` / ``[R]``, rows as in ``pool``), ``admissions`` and
     ``evictions`` summed; the slot, page and queue fields are None.
   """
   shards = data_shards(mesh)
@@ -104,7 +104,7 @@ def run_paged(pool: PoolState, decode, uniforms: Float[Array, "R M"], prompt_cac
       admitted=jnp.zeros((shards,), jnp.int32), sample=jnp.full((shards, slots), r // shards),
       steps=zeros, last_tokens=zeros, running=jnp.zeros((shards, slots), bool), cache=None,
       tokens=split(pool.tokens), logprobs=split(pool.logprobs), lengths=split(pool.lengths),
-      done=split(pool.done))
+      done=split(pool.done), expert_ids=None if pool.expert_ids is None else split(pool.expert_ids))
   initial = functools.partial(
       paged_pool.initial_paged_state, config=config, num_pages=spec.kv_pages,
       page_size=spec.page_size, max_new_tokens=spec.max_new_tokens, dtype=spec.cache_dtype)
@@ -146,6 +146,8 @@ def run_paged(pool: PoolState, decode, uniforms: Float[Array, "R M"], prompt_cac
       cache=None, tokens=constrain(join_shards(state.tokens), rows, mesh, rules),
       logprobs=constrain(join_shards(state.logprobs), rows, mesh, rules),
       lengths=join_shards(state.lengths), done=join_shards(state.done),
+      expert_ids=None if state.expert_ids is None else constrain(
+          join_shards(state.expert_ids), ("batch", None, None, None), mesh, rules),
       admissions=jnp.sum(state.admissions), evictions=jnp.sum(state.evictions))
 
 

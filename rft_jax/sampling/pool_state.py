@@ -8,6 +8,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.models.paged_kv import PagedKVCache
+from rft_jax.sampling.routing_record import write_fed
 
 
 @flax.struct.dataclass
@@ -26,6 +27,9 @@ class PoolState:
     logprobs: ``[R, M]`` their log-probabilities, 0 after the end.
     lengths: ``[R]`` tokens per sample.
     done: ``[R]`` the sample ended with a stop token (or is a dummy row).
+    expert_ids: an MoE model's ``[R, M, L, k]`` recorded routing of the fed tokens
+      (:mod:`~rft_jax.sampling.routing_record`); None for a dense model.
+    prompt_expert_ids: ``[B, P, L, k]`` the prompts' routing in the prefill (set at the end).
   """
 
   admitted: Int[Array, ""]
@@ -38,15 +42,21 @@ class PoolState:
   logprobs: Float[Array, "R M"]
   lengths: Int[Array, "R"]
   done: Bool[Array, "R"]
+  expert_ids: Array | None = None
+  prompt_expert_ids: Array | None = None
 
-  def record(self, tokens: Int[Array, "S"], logp: Float[Array, "S"], stop: Bool[Array, "S"]
-             ) -> PoolState:
+  def record(self, tokens: Int[Array, "S"], logp: Float[Array, "S"], stop: Bool[Array, "S"],
+             fed_ids: Int[Array, "L S k"] | None = None) -> PoolState:
     """The state after a decode step drew ``tokens`` (``logp``; ``stop``: they are stop
     tokens) in every slot: the running slots' samples get them at their next column, and a
-    slot stops running at a stop token or at ``M`` tokens."""
+    slot stops running at a stop token or at ``M`` tokens. ``fed_ids``: the experts of the
+    tokens the step fed (each running sample's previous column)."""
     r, m = self.tokens.shape
     column = jnp.minimum(self.steps, m - 1)
     target = jnp.where(self.running, self.sample, r)  # out of range: dropped
+    if fed_ids is not None:
+      self = self.replace(expert_ids=write_fed(self.expert_ids, self.sample, self.steps - 1, fed_ids,
+                                               self.running))
     return self.replace(
         steps=self.steps + 1,
         last_tokens=tokens,
