@@ -4,6 +4,7 @@
   python benchmarks/plan/plan_paper_configs.py sampling.kv_pages=null sampling.scheduler=static \
       sampling.max_rollouts_per_call=256 --configs qwen2_5_7b_clip_b   # the dense cache: its own table
   python benchmarks/plan/plan_paper_configs.py --topology v6e:2x4 mesh.model=2 learner.micro_batch_size=8
+  python benchmarks/plan/plan_paper_configs.py --topology v5p:2x2x4 --configs qwen3_30b_a3b_clip_b sampling.kv_pages=null  # MoE
 
 Each config is planned in its own process (`rft-jax plan --json`, model.path set to the
 architecture-only directories under configs/models/); the per-device figures are printed as the
@@ -23,8 +24,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = {
     "qwen2_5_7b": "configs/models/Qwen2.5-7B-Instruct",
     "qwen3_4b": "configs/models/Qwen3-4B-Base",
+    "qwen3_30b_a3b": "configs/models/Qwen3-30B-A3B",  # MoE: Clip_B, full or LoRA (--configs)
 }
+PAPER = ("qwen2_5_7b", "qwen3_4b")
 VARIANTS = ("grpo", "clip_b", "clip_v")
+MOE_CONFIGS = ("qwen3_30b_a3b_clip_b", "qwen3_30b_a3b_clip_b_lora")
 GiB = 1024**3
 
 
@@ -72,7 +76,8 @@ HEADER = ("| config | mesh | micro-batch | params / optimizer GiB | learner temp
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--topology", default="v5p:2x2x1")
-  parser.add_argument("--configs", nargs="*", default=[f"{m}_{v}" for m in CONFIGS for v in VARIANTS])
+  parser.add_argument("--configs", nargs="*", default=[f"{m}_{v}" for m in PAPER for v in VARIANTS],
+                      help=f"config names under configs/ (default: the paper's six; also {', '.join(MOE_CONFIGS)})")
   parser.add_argument("--out", default="runs/plan_paper_configs.jsonl")
   parser.add_argument("overrides", nargs="*", help="dotted overrides for every config")
   args = parser.parse_args()
