@@ -1,9 +1,9 @@
 """The config tree: YAML + dotted overrides into dataclasses, with errors naming the key."""
 
 import glob
-import re
 import logging
 import os
+import re
 
 import pytest
 
@@ -90,7 +90,11 @@ def test_shipped_configs_load_once_paths_are_set(path):
   # rows at the full 8k does not fit a v5p chip (docs/scale.md).
   assert cfg.sampling.kv_pages and cfg.sampling.max_rollouts_per_call is None
   assert sampling_params(cfg, (2,)).kv_pages == cfg.sampling.kv_pages
-  name = os.path.basename(path)[:-len(".yaml")].split("b_", 1)[1]  # qwen2_5_7b_kl_cov: kl_cov
+  # qwen2_5_7b_kl_cov: kl_cov; qwen3_30b_a3b_clip_b_lora: clip_b (LoRA on the attention)
+  name = re.sub(r"^qwen[\d_]+b_(a\d+b_)?", "", os.path.basename(path)[:-len(".yaml")])
+  if name.endswith("_lora"):
+    name = name[:-len("_lora")]
+    assert cfg.model.lora is not None and "q_proj" in cfg.model.lora.targets
   method = ("entropy_mask", name) if name in ("clip_b", "clip_v") else ("entropy_method", name)
   if name.startswith("ppo"):  # PPO with a critic, alone or with a mask
     assert cfg.learner.advantage == "gae" and cfg.critic.cliprange_value == 0.5
