@@ -190,3 +190,17 @@ def test_packed_micro_batches_replay_and_count_as_row_micro_batches():
   for key in ("router/routing_mismatch", "router/routing_mismatch_layers", "router/expert_load_max",
               "router/expert_load_mean"):
     np.testing.assert_allclose(got[48][key], got[None][key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(entropy_mask=EntropyMaskConfig(kind="clip_v", max_frac=0.2), forecast_every=1),
+    dict(entropy_mask=EntropyMaskConfig(), entropy_method={"kind": "clip_cov"}, kl_coef=0.05, mini_batches=2,
+         micro_batch_size=2),
+    dict(entropy_mask=EntropyMaskConfig(), objective="gspo", micro_batch_size=4, micro_batch_tokens=64),
+], ids=["clip_v-forecast", "clip_cov-kl-minibatches", "gspo-packed"])
+def test_token_methods_objectives_and_forecasts_run_on_moe(kw):
+  model = tiny_moe()
+  learner = Learner(model, config(**kw))
+  _, metrics = learner.step(learner.init(model), batch())
+  assert all(np.isfinite(v) for v in metrics.values()), metrics
+  assert metrics["nonfinite_skipped"] == 0 and metrics["router/load_balancing_loss"] > 0
