@@ -80,6 +80,7 @@ from accelerator.decode_profile import summarise  # noqa: E402
 from speed.learner_step import synthetic_batch  # noqa: E402
 from speed.sampler import median_seconds  # noqa: E402
 from rft_jax.models import Qwen, QwenConfig  # noqa: E402
+from rft_jax.plan.parameters import parameter_report  # noqa: E402
 from rft_jax.rl.batching import first_response_column  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner  # noqa: E402
@@ -93,9 +94,12 @@ def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
 
 
 def model_flops(config: QwenConfig, rows: int, length: int) -> float:
-  """Model FLOPs of one forward and backward pass over ``rows x length`` tokens (docstring)."""
+  """Model FLOPs of one forward and backward pass over ``rows x length`` tokens (docstring): 6 x the
+  active parameters' products per token, plus attention."""
   model = nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0)))
-  params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  # Those one token's forward uses: a mixture of experts' token multiplies by k of its E experts
+  # (rft_jax.plan.parameters; every parameter for a dense model).
+  params = parameter_report(nnx.state(model, nnx.Param), config)["active_parameters"]
   # The lookup table is no product; the unembedding's matrix is (tied: the same table).
   matmul = params if config.tie_word_embeddings else params - config.vocab_size * config.hidden_size
   tokens = rows * length
