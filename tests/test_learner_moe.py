@@ -119,12 +119,12 @@ def test_routing_replay_is_refused_on_a_dense_model_and_without_ids():
     learner.step(learner.init(model), batch())
 
 
-def bf16_routed_batch(model):
+def bf16_routed_batch(model, **model_kw):
   """A stand-in for a sampler that routes in bfloat16 (until the sampler records its decode steps'
   routing): expert ids of the weights' bfloat16 forward, log-probs of the float32 forward routed
   by them, completion tokens drawn from it."""
   b = batch()
-  bf16 = tiny_moe(dtype=jnp.bfloat16)
+  bf16 = tiny_moe(dtype=jnp.bfloat16, **model_kw)
   ids = _routing(bf16, b.input_ids, b.attention_mask).expert_ids  # [L, B, T, k]
   logits = nnx.jit(lambda m, x, mask, e: m(x, mask, expert_ids=e))(model, b.input_ids, b.attention_mask, ids)
   logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), b.input_ids[:, 1:, None], -1)[..., 0]
@@ -132,15 +132,17 @@ def bf16_routed_batch(model):
   return b.replace(sampler_logp=sampler_logp, expert_ids=jnp.moveaxis(ids, 0, 2).astype(jnp.uint8))
 
 
-@pytest.mark.parametrize("replay", [False, True])
-def test_routing_replay_gives_the_samplers_log_probs(replay):
+@pytest.mark.parametrize("replay,lora", [(False, False), (True, False), (True, True)])
+def test_routing_replay_gives_the_samplers_log_probs(replay, lora):
   """The sampler routed some tokens elsewhere (the mismatch > 0, replay on or off); replayed, the
   learner's pre-update log-probs are the sampler's to float32 rounding, and the rollout
-  correction's token weights compose with it (1 there)."""
+  correction's token weights compose with it (1 there); also with LoRA on the attention."""
+  from rft_jax.models.lora import LoraConfig
   from rft_jax.rl.config import RolloutCorrectionConfig
 
-  model = tiny_moe()
-  b = bf16_routed_batch(model)
+  model_kw = {"lora": LoraConfig(rank=4, targets=("q_proj", "v_proj"))} if lora else {}
+  model = tiny_moe(**model_kw)
+  b = bf16_routed_batch(model, **model_kw)
   learner = Learner(model, config(routing_replay=replay, micro_batch_size=2,
                                   rollout_correction=RolloutCorrectionConfig(importance_sampling="token")))
   _, metrics = learner.step(learner.init(model), b)
