@@ -33,6 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rft_jax.models.layers import MLP, normal_init, param
+from rft_jax.models.moe_cpu import tiled_experts
 
 
 @flax.struct.dataclass
@@ -87,10 +88,30 @@ def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   data shards; this form's batching rule runs the tokens of every batch entry as one call
   (tokens are independent). It has no derivative (``custom_vmap``): the full forward, which the
   learner differentiates, runs the plain form.
+
+  The product (:func:`expert_product`): the ragged one, but for the form without a derivative
+  on CPU, the tiled loop of :mod:`rft_jax.models.moe_cpu`.
   """
   if vmappable:
     return _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down)
   return _grouped_experts(x, expert_ids, weights, gate, up, down)
+
+
+EXPERT_PRODUCTS = ("ragged", "tiled")
+
+
+def expert_product(platform: str, differentiable: bool) -> str:
+  """The expert product that does the least work on ``platform`` (``cpu``, ``gpu``, ``tpu``).
+
+  * ``ragged`` (:func:`jax.lax.ragged_dot`): a grouped product on GPUs and TPUs, every
+    assignment's rows once; differentiable. On CPU XLA expands it over all ``E`` experts
+    (``N k E`` rows), which only a path that must be differentiated accepts.
+  * ``tiled`` (:func:`rft_jax.models.moe_cpu.tiled_experts`): on CPU, where no derivative is
+    taken (the cache paths: prefill, extend, the decode steps), at every token count: only the
+    experts used are read, ``N k`` rows plus at most one part-filled tile per expert. Its
+    data-dependent loop has no reverse-mode rule.
+  """
+  return "tiled" if platform == "cpu" and not differentiable else "ragged"
 
 
 def _grouped_experts(x, expert_ids, weights, gate, up, down):
@@ -110,6 +131,12 @@ def _grouped_experts(x, expert_ids, weights, gate, up, down):
 
 @jax.custom_batching.custom_vmap
 def _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down):
+  return _undifferentiated_experts(x, expert_ids, weights, gate, up, down)
+
+
+def _undifferentiated_experts(x, expert_ids, weights, gate, up, down):
+  if expert_product(jax.default_backend(), differentiable=False) == "tiled":
+    return tiled_experts(x, expert_ids, weights, gate, up, down)
   return _grouped_experts(x, expert_ids, weights, gate, up, down)
 
 
@@ -121,7 +148,7 @@ def _fold_batch_into_tokens(axis_size, in_batched, x, expert_ids, weights, gate,
   if any(in_batched[3:]):
     experts = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
                for a, batched in zip((gate, up, down), in_batched[3:])]
-    return jax.lax.map(lambda args: _grouped_experts(*args), (*tokens, *experts)), True
+    return jax.lax.map(lambda args: _undifferentiated_experts(*args), (*tokens, *experts)), True
   flat = [a.reshape((-1,) + a.shape[2:]) for a in tokens]
   y = _vmappable_grouped_experts(*flat, gate, up, down)
   return y.reshape(tokens[0].shape), True
