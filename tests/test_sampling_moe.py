@@ -92,3 +92,23 @@ def test_a_data_mesh_records_what_one_device_does(program):
   np.testing.assert_array_equal(on_mesh.completion_ids, alone.completion_ids)
   np.testing.assert_array_equal(np.sort(on_mesh.completion_expert_ids, -1), np.sort(alone.completion_expert_ids, -1))
   np.testing.assert_array_equal(np.sort(on_mesh.prompt_expert_ids, -1), np.sort(alone.prompt_expert_ids, -1))
+
+
+@pytest.mark.parametrize("program", ["static", "continuous"])
+def test_the_accelerator_programs_record_what_the_cpu_programs_do(program, monkeypatch):
+  """The programs an accelerator compiles (the model's own decode step: the fused kernels decline
+  MoE), traced here on the CPU: the same samples, log-probs and routing as the CPU programs'."""
+  from rft_jax.sampling import loop
+  from rft_jax.sampling.generate import program_for
+
+  model, params = tiny_moe(), PROGRAMS[program]
+  program_for(params, None).clear_cache()
+  on_cpu = generate(model, PROMPTS, params, seed=7)
+  monkeypatch.setattr(loop, "platform_of", lambda mesh: "gpu")
+  program_for(params, None).clear_cache()
+  on_gpu = generate(model, PROMPTS, params, seed=7)
+  program_for(params, None).clear_cache()
+  np.testing.assert_array_equal(on_gpu.completion_ids, on_cpu.completion_ids)
+  np.testing.assert_allclose(on_gpu.logprobs, on_cpu.logprobs, atol=1e-5)
+  np.testing.assert_array_equal(np.sort(on_gpu.completion_expert_ids, -1), np.sort(on_cpu.completion_expert_ids, -1))
+  np.testing.assert_array_equal(np.sort(on_gpu.prompt_expert_ids, -1), np.sort(on_cpu.prompt_expert_ids, -1))
