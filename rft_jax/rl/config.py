@@ -13,13 +13,12 @@ from rft_jax.entropy.clipping import CLIP_V_MAX_FRAC, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
 from rft_jax.rl.algorithms import Algorithm, algorithm
 from rft_jax.rl.checks import choice, finite_numbers, positive
-from rft_jax.rl.token_methods.cov_methods import CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, KL_COV_COEF, KL_COV_RATIO
-from rft_jax.rl.token_methods.forking import FORKING_RHO
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from rft_jax.rl.objectives import Objective, objective
 from rft_jax.rl.optimizer import OptimizerConfig, optimizer_config
 from rft_jax.rl.rollout_correction import IMPORTANCE_LEVELS, RejectionBound, rejection_bounds
 from rft_jax.rl.token_methods import configured_class, method_class
+from rft_jax.rl.token_methods.method_settings import EntropyMethodConfig
 
 REF_DTYPES = (None, *DTYPES)
 
@@ -88,40 +87,6 @@ class EntropyMaskConfig:
   @property
   def resolved_max_frac(self) -> float:
     return CLIP_V_MAX_FRAC if self.max_frac is None else self.max_frac
-
-
-@dataclasses.dataclass
-class EntropyMethodConfig:
-  """One of the entropy methods the paper compares with (``rft_jax.rl.token_methods``).
-
-  Attributes:
-    kind: a registered entropy method (``rft_jax.rl.token_methods``): ``none``, ``clip_cov`` or
-      ``kl_cov`` (Cui et al. 2025), ``forking`` (Wang et al. 2025).
-    clip_cov_ratio / clip_cov_lb / clip_cov_ub: Clip-Cov's share of tokens and its open covariance
-      bounds (verl 0.9.1 defaults 2e-4, 1, 5).
-    kl_cov_ratio / kl_cov_coef: KL-Cov's share of tokens and its coefficient (verl 0.9.1: 2e-4, 0.1).
-    forking_rho: the share of highest-entropy tokens that keep their gradient (the paper's 0.2).
-  """
-
-  kind: str = "none"
-  clip_cov_ratio: float = CLIP_COV_RATIO
-  clip_cov_lb: float = CLIP_COV_LB
-  clip_cov_ub: float = CLIP_COV_UB
-  kl_cov_ratio: float = KL_COV_RATIO
-  kl_cov_coef: float = KL_COV_COEF
-  forking_rho: float = FORKING_RHO
-
-  def __post_init__(self):
-    finite_numbers("learner.entropy_method", self)
-    configured_class(self, removes_tokens=False).check(self)
-    for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_rho"):
-      value = getattr(self, name)
-      if not 0 < value <= 1:
-        raise ValueError(f"learner.entropy_method.{name} must be in (0, 1], got {value!r}")
-    positive("learner.entropy_method.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
-    if self.clip_cov_lb >= self.clip_cov_ub:
-      raise ValueError(f"learner.entropy_method.clip_cov_lb={self.clip_cov_lb} must be below "
-                       f"clip_cov_ub={self.clip_cov_ub}")
 
 
 @dataclasses.dataclass

@@ -146,12 +146,22 @@ def first_sentence(text: str) -> str:
 
 
 def attribute_entries(cls: type) -> dict[str, str]:
-  """``{field: meaning}`` from the ``Attributes:`` section of ``cls``'s docstring. An entry names
-  one field or several (``a / b:``, ``a, b:``), may carry a parenthesis before its colon (kept);
-  a later field may start inside an entry's text (``...; b: ...``, ``... . b: ...``)."""
-  doc = cls.__doc__ or ""
-  lines = doc.splitlines()
+  """``{field: meaning}`` from the ``Attributes:`` sections of ``cls``'s docstring and of its
+  dataclass bases' (a section made of what several classes declare, e.g.
+  ``learner.entropy_method``: each token method's settings). An entry names one field or several
+  (``a / b:``, ``a, b:``), may carry a parenthesis before its colon (kept); a later field may
+  start inside an entry's text (``...; b: ...``, ``... . b: ...``)."""
   fields = {f.name for f in dataclasses.fields(cls)}
+  out: dict[str, str] = {}
+  for klass in cls.__mro__:
+    if dataclasses.is_dataclass(klass):
+      out = _docstring_entries(klass.__doc__ or "", fields) | out
+  return out
+
+
+def _docstring_entries(doc: str, fields: set[str]) -> dict[str, str]:
+  """:func:`attribute_entries` of one docstring."""
+  lines = doc.splitlines()
   start = next((i for i, line in enumerate(lines) if re.match(r"\s*Attributes\b[^:]*:\s*$", line)), None)
   if start is None:
     return {}

@@ -27,19 +27,6 @@ Defaults are verl's config defaults, ``verl/trainer/config/actor/actor.yaml`` li
 ``ppo_kl_coef: 0.1``. (The loss functions fall back to 1.0 for ``ppo_kl_coef`` only when the
 config value is ``None``; the shipped default is 0.1.)
 
-**Scope of the statistics.** verl calls these losses from ``ppo_loss``
-(``verl/workers/utils/losses.py``) on one micro-batch of one data-parallel rank, so its
-means, :math:`N`, the candidate set and the top-k are per micro-batch, while the token-mean
-denominator (``batch_num_tokens``) is the global batch's. Here they are over the arrays
-given: pass the whole training batch (under ``jit`` a sharded global array) for
-batch-level statistics, or a micro-batch to reproduce verl's scope. Statistics are float32
-and stop-gradient.
-
-**Counts under jit.** :math:`\max(\lfloor r N\rfloor, 1)` uses Python's float64
-``int(r * N)`` exactly as verl does, although :math:`N` is traced: the thresholds of
-:math:`N` at which the count steps up are tabulated on the host for every possible
-:math:`N \le B T` (the static shape).
-
 **As token methods** (:class:`ClipCov`, :class:`KLCov`, at the end of this module). The
 token sets are chosen once per train step, over the whole batch's valid loss tokens, from the
 pre-update pass (as Clip_B's statistics are): the covariance uses the pre-update log-probs, and
@@ -52,12 +39,14 @@ surrogate by verl's loss, which has no dual clip.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from rft_jax.entropy import masked_mean
+from rft_jax.rl.checks import positive
+from rft_jax.rl.token_methods.covariance import _ratio, _verl_count, token_covariance
 from rft_jax.rl.token_methods.registry import TokenChoice, TokenInputs, TokenMethod, register_token_method
 
 # verl 0.9.1 defaults: verl/trainer/config/actor/actor.yaml:64-76 (verl/workers/config/actor.py:95-99).
@@ -68,55 +57,51 @@ KL_COV_RATIO = 2e-4
 KL_COV_COEF = 0.1
 
 
-def _int_ratio_times(ratio: float, n: Array, n_max: int) -> Array:
-  """``int(ratio * n)`` in Python float64, as verl computes it, for a traced ``0 <= n <= n_max``.
+@dataclasses.dataclass
+class ClipCovSettings:
+  """Clip-Cov's settings, verl 0.9.1's names and defaults (part of ``learner.entropy_method``).
 
-  ``floor(ratio * n)`` is non-decreasing in ``n``: tabulate on the host the smallest ``n``
-  at which it reaches each value ``1..floor(ratio * n_max)`` and count the thresholds
-  ``n`` has passed (float32 on the device could be off by one near integers).
+  Attributes:
+    clip_cov_ratio: the share of the batch's valid tokens whose gradient Clip-Cov removes (verl
+      0.9.1: 2e-4).
+    clip_cov_lb / clip_cov_ub: Clip-Cov's open covariance bounds, between which its candidates
+      lie (verl 0.9.1: 1, 5).
   """
-  values = np.floor(ratio * np.arange(n_max + 1, dtype=np.float64)).astype(np.int64)
-  thresholds = np.searchsorted(values, np.arange(1, int(values[-1]) + 1), side="left")
-  return jnp.sum(n >= jnp.asarray(thresholds, jnp.int32)).astype(jnp.int32)
+
+  clip_cov_ratio: float = CLIP_COV_RATIO
+  clip_cov_lb: float = CLIP_COV_LB
+  clip_cov_ub: float = CLIP_COV_UB
+
+  def check_clip_cov(self, section: str) -> None:
+    """``ValueError`` naming ``section.<key>`` for a ratio outside (0, 1] or bounds out of order."""
+    share(f"{section}.clip_cov_ratio", self.clip_cov_ratio)
+    if self.clip_cov_lb >= self.clip_cov_ub:
+      raise ValueError(f"{section}.clip_cov_lb={self.clip_cov_lb} must be below "
+                       f"clip_cov_ub={self.clip_cov_ub}")
 
 
-def _verl_count(ratio: float, n_valid: Array, n_max: int) -> Array:
-  """verl's ``max(int(ratio * n_valid), 1)``."""
-  return jnp.maximum(_int_ratio_times(ratio, n_valid, n_max), 1)
+@dataclasses.dataclass
+class KLCovSettings:
+  """KL-Cov's settings, verl 0.9.1's names and defaults (part of ``learner.entropy_method``).
 
-
-def _ratio(logp, old_logp, log_ratio_clamp):
-  log_ratio = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)
-  return log_ratio, jnp.exp(jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp))
-
-
-def token_covariance(
-    logp: Float[Array, "B T"], advantages: Float[Array, "B T"], mask: Array
-) -> Float[Array, "B T"]:
-  r"""Per-token centred covariance of advantage and log-prob (Cui et al. 2025).
-
-  .. math::  \mathrm{Cov}_t = \big(A_t - \bar A\big)\big(\log\pi_\theta(y_t) - \overline{\log\pi_\theta}\big),
-             \quad \bar x = \frac{1}{N}\sum_{t:\,m_t > 0} x_t,
-
-  over the valid tokens (``mask > 0``) of the arrays given. float32, stop-gradient; 0 on
-  padded tokens, whose values never enter the means. verl 0.9.1 computes the same
-  (``cov_all`` in ``compute_policy_loss_clip_cov``, ``cov_lst_all`` in
-  ``compute_policy_loss_kl_cov``); checked against verl 0.9.1 core_algos.py on identical
-  tensors.
-
-  Args:
-    logp: ``[B, T]`` log-probs of the sampled tokens under the current policy.
-    advantages: ``[B, T]`` per-token advantages.
-    mask: ``[B, T]`` valid response tokens (``> 0``).
-
-  Returns:
-    ``[B, T]`` float32 covariance, 0 off the mask.
+  Attributes:
+    kl_cov_ratio / kl_cov_coef: KL-Cov's share of tokens and its coefficient (verl 0.9.1: 2e-4,
+      0.1).
   """
-  valid = mask > 0
-  lp = jax.lax.stop_gradient(logp).astype(jnp.float32)
-  adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
-  cov = (adv - masked_mean(adv, valid)) * (lp - masked_mean(lp, valid))
-  return jnp.where(valid, cov, 0.0)
+
+  kl_cov_ratio: float = KL_COV_RATIO
+  kl_cov_coef: float = KL_COV_COEF
+
+  def check_kl_cov(self, section: str) -> None:
+    """``ValueError`` naming ``section.<key>`` for a ratio outside (0, 1] or a negative coefficient."""
+    share(f"{section}.kl_cov_ratio", self.kl_cov_ratio)
+    positive(f"{section}.kl_cov_coef", self.kl_cov_coef, allow_zero=True)
+
+
+def share(key: str, value: float) -> None:
+  """``ValueError`` naming ``key`` unless ``0 < value <= 1`` (a share of the batch's tokens)."""
+  if not 0 < value <= 1:
+    raise ValueError(f"{key} must be in (0, 1], got {value!r}")
 
 
 def clip_cov_candidates(

@@ -18,6 +18,8 @@ As a token method (:class:`ForkingTokens`, ``learner.entropy_method.kind=forking
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,22 @@ from jaxtyping import Array, Bool, Float
 from rft_jax.rl.token_methods.registry import TokenChoice, TokenInputs, TokenMethod, register_token_method
 
 FORKING_RHO = 0.2
+
+
+@dataclasses.dataclass
+class ForkingSettings:
+  """The forking-token method's setting (part of ``learner.entropy_method``).
+
+  Attributes:
+    forking_rho: the share of highest-entropy tokens that keep their gradient (the paper's 0.2).
+  """
+
+  forking_rho: float = FORKING_RHO
+
+  def check_forking(self, section: str) -> None:
+    """``ValueError`` naming ``section.forking_rho`` unless it is in (0, 1]."""
+    if not 0 < self.forking_rho <= 1:
+      raise ValueError(f"{section}.forking_rho must be in (0, 1], got {self.forking_rho!r}")
 
 
 def _torch_lerp(start: Array, end: Array, weight: Array) -> Array:
