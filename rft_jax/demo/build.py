@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Callable
 
 import numpy as np
 from flax import nnx
@@ -37,16 +38,17 @@ def demo_model_config(vocab_size: int) -> QwenConfig:
 
 
 def build(out: str, *, steps: int, problems: int, max_digits: int, slip_rate: float,
-          log_every: int = 100) -> None:
-  """Tokenizer and random model saved in HF form, worked answers written as JSONL, then the
-  same supervised fine-tuning as ``rft-jax sft --model INIT --data PAIRS --out OUT``."""
+          log_every: int = 100, model_config: Callable[[int], QwenConfig] = demo_model_config) -> None:
+  """Tokenizer and random model (``model_config(vocab_size)``, default the dense demo model's)
+  saved in HF form, worked answers written as JSONL, then the same supervised fine-tuning as
+  ``rft-jax sft --model INIT --data PAIRS --out OUT``."""
   held_out = {p.id for p in heldout_problems()}
   examples = addition_problems(problems, seed=SFT_SEED, max_digits=max_digits, exclude=held_out)
   rng = np.random.default_rng(SFT_SEED)
   with tempfile.TemporaryDirectory() as tmp:
     init = os.path.join(tmp, "init")
     tokenizer = build_char_tokenizer(init)
-    save_hf(Qwen(demo_model_config(len(tokenizer)), rngs=nnx.Rngs(0)), init, tokenizer=tokenizer)
+    save_hf(Qwen(model_config(len(tokenizer)), rngs=nnx.Rngs(0)), init, tokenizer=tokenizer)
     pairs = os.path.join(tmp, "pairs.jsonl")
     with open(pairs, "w") as f:
       f.writelines(json.dumps({"question": e.question, "response": worked_answer(e, slip_rate=slip_rate, rng=rng)}) + "\n"

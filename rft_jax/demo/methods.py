@@ -2,6 +2,9 @@
 plain GRPO on the demo's task: ``rft-jax demo``'s variants (:mod:`rft_jax.demo.run`) and the
 runs of ``rft-jax figures`` (:mod:`rft_jax.figures.runs`) read them here."""
 
+from rft_jax.demo.paths import MOE_CHECKPOINT
+
+_MOE = f"model.path={MOE_CHECKPOINT}"  # absolute: found from any directory
 _PPO = ("learner.advantage=gae", "critic.optim.lr=5e-5", "critic.micro_batch_size=16")
 METHODS: dict[str, tuple[str, ...]] = {
     "grpo": ("learner.entropy_mask.kind=none",),
@@ -23,7 +26,7 @@ METHODS: dict[str, tuple[str, ...]] = {
                "learner.mini_batches=4"),
     "forking": ("learner.entropy_method.kind=forking",),  # the top 20% of tokens by entropy
     "unlikely": ("learner.beta_rank=0.25",),  # the authors' released recipe
-    # GSPO (rft_jax.rl.gspo): a sequence-level ratio and its narrow clip (3e-4 / 4e-4). Like
+    # GSPO (rft_jax.rl.objectives.gspo): a sequence-level ratio and its narrow clip (3e-4 / 4e-4). Like
     # KL-Cov it differs from GRPO only off-policy, so it takes 4 updates a batch.
     # verl's decoupled token-level TIS (rft_jax.rl.rollout_correction): the sampler's and the
     # learner's log-probs differ by float rounding here (one float32 model), so it measures the
@@ -45,4 +48,12 @@ METHODS: dict[str, tuple[str, ...]] = {
     # against the full-weight variants.
     "lora": ("learner.entropy_mask.kind=none", "model.lora.rank=16", "model.lora.alpha=32",
              "learner.optim.lr=5e-4"),
+    # The demo's mixture-of-experts model (rft_jax/demo/build_moe.py: 8 experts, top-2, warm-started
+    # as the dense model is) under GRPO and Clip_B, the learner routing each token by its own router
+    # or, with rollout routing replay, by the experts the sampler chose (router/routing_mismatch: the
+    # share of tokens whose experts the learner's router would choose differently).
+    "moe_grpo": ("learner.entropy_mask.kind=none", _MOE),
+    "moe_grpo_replay": ("learner.entropy_mask.kind=none", _MOE, "learner.routing_replay=true"),
+    "moe_clip_b": ("learner.entropy_mask.kind=clip_b", _MOE),
+    "moe_clip_b_replay": ("learner.entropy_mask.kind=clip_b", _MOE, "learner.routing_replay=true"),
 }

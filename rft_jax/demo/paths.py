@@ -21,6 +21,9 @@ from typing import Sequence
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The shipped config (package data; configs/demo.yaml in the repository links to it).
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "rft_jax", "configs", "demo.yaml")
+# The demo's mixture-of-experts checkpoint (package data, rebuilt by `python -m rft_jax.demo.build_moe`),
+# which the demo's moe_* variants train (rft_jax/demo/methods.py).
+MOE_CHECKPOINT = os.path.join(REPO_ROOT, "rft_jax", "demo", "moe_checkpoint")
 
 
 def overridden(overrides: Sequence[str], key: str) -> bool:

@@ -7,7 +7,9 @@ and last quarter of the steps, mask fractions, and the correlation over the step
 Corollary 4 forecast of the entropy change with the measured one) and draws the
 paper-style plots of the three runs into ``RUN_DIR/demo.png``. ``variants=...`` among the
 overrides runs other :data:`VARIANTS` instead (:mod:`rft_jax.demo.methods`): the methods of the
-paper's Table 3 (Clip-Cov, KL-Cov, forking tokens, the unlikeliness reward) on the same learner.
+paper's Table 3 (Clip-Cov, KL-Cov, forking tokens, the unlikeliness reward) on the same learner,
+or the ``moe_*`` variants, which train the demo's mixture-of-experts model instead (a line per
+variant below the table gives its routing mismatch and load-balancing loss).
 It runs from any directory
 (:mod:`rft_jax.demo.paths`): the default config is the package's ``rft_jax/configs/demo.yaml``,
 and the runs, their data and the compilation cache go under ``RUN_DIR``.
@@ -91,7 +93,16 @@ def _summary(run_dir: str) -> dict[str, float]:
       "acc_start": float(np.mean([r["train/accuracy"] for r in steps[:quarter]])),
       "acc_end": float(np.mean([r["train/accuracy"] for r in steps[-quarter:]])),
       "forecast_r": forecast_correlation(steps),
+      # an MoE policy's (nan for a dense one): the share of completion tokens whose experts the
+      # learner's router chose unlike the sampler, and the load-balancing loss, means over the steps
+      "routing_mismatch": _mean(steps, "router/routing_mismatch"),
+      "load_balancing_loss": _mean(steps, "router/load_balancing_loss"),
   }
+
+
+def _mean(records: list[dict], key: str) -> float:
+  values = [r[key] for r in records if key in r]
+  return float(np.mean(values)) if values else float("nan")
 
 
 def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
@@ -126,6 +137,10 @@ def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
           f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>8.3f} "
           f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f} "
           f"{s['forecast_r']:>10.2f}")
+  for name, s in summaries.items():  # MoE variants only: the dense table is unchanged
+    if not np.isnan(s["load_balancing_loss"]):
+      print(f"{name:<{w}} router: routing mismatch {100 * s['routing_mismatch']:.2f}% of completion tokens, "
+            f"load-balancing loss {s['load_balancing_loss']:.3f} (means over the steps)")
   plot = plot_runs([os.path.join(base.run_dir, v) for v in variants], os.path.join(base.run_dir, "demo.png"))
   print(f"plots: {plot}")
   return summaries
