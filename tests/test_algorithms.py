@@ -1,4 +1,4 @@
-"""The algorithm entries (``rft_jax.rl.algorithms``): each makes a step's advantages from its
+"""The algorithm entries (``rft_jax.rl.advantages.algorithms``): each makes a step's advantages from its
 rewards (the loop calls one method), shapes them with the unlikeliness reward when asked, and a
 new estimator is one registered entry."""
 
@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rft_jax.rl import algorithms as A
+from rft_jax.rl.advantages import algorithms as A
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.config import LearnerConfig
-from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
+from rft_jax.rl.advantages.unlikeliness import mean_token_logp, unlikeliness_rewards
 
 
 def inputs(seed: int = 0, groups: int = 3, n: int = 4, length: int = 6) -> A.AdvantageInputs:

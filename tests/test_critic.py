@@ -11,8 +11,8 @@ from flax import nnx
 
 from rft_jax.models import Qwen
 from rft_jax.parallel import make_mesh, shard_model
-from rft_jax.rl.critic import Critic, CriticConfig, ValueModel
-from rft_jax.rl.gae import clipped_value_loss, gae_advantages, outcome_token_rewards
+from rft_jax.rl.advantages.critic import Critic, CriticConfig, ValueModel
+from rft_jax.rl.advantages.gae import clipped_value_loss, gae_advantages, outcome_token_rewards
 from rft_jax.rl.losses import aggregate_loss, loss_normaliser
 from test_learner import nested_optim, tiny_model
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from verl_reference import verl_agg_loss_token_mean, verl_masked_mean
 
-from rft_jax.rl.gae import clipped_value_loss, gae_advantages, masked_whiten, outcome_token_rewards
+from rft_jax.rl.advantages.gae import clipped_value_loss, gae_advantages, masked_whiten, outcome_token_rewards
 from rft_jax.rl.losses import aggregate_loss, loss_normaliser
 
 

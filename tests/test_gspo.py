@@ -1,4 +1,4 @@
-"""GSPO (``rft_jax.rl.gspo``, ``learner.objective=gspo``) against verl 0.9.1's and TRL 1.16.0's
+"""GSPO (``rft_jax.rl.objectives.gspo``, ``learner.objective=gspo``) against verl 0.9.1's and TRL 1.16.0's
 own sequence-level losses on identical tensors: values and gradients, rows and packed rows.
 
 ``verl_gspo_losses`` transcribes ``compute_policy_loss_gspo`` of verl 0.9.1 (Apache-2.0; ``pip
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rft_jax.rl.config import LearnerConfig
-from rft_jax.rl.gspo import GSPO_EPS_HIGH, GSPO_EPS_LOW, gspo_loss, sequence_mean
+from rft_jax.rl.objectives.gspo import GSPO_EPS_HIGH, GSPO_EPS_LOW, gspo_loss, sequence_mean
 from rft_jax.rl.losses import aggregate_loss, loss_normaliser
 from rft_jax.rl.objectives import OBJECTIVES, objective
 from verl_reference import verl_masked_mean, verl_masked_sum

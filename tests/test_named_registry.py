@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rft_jax.rl.algorithms import ALGORITHMS
+from rft_jax.rl.advantages.algorithms import ALGORITHMS
 from rft_jax.rl.named_registry import Registry
 from rft_jax.rl.objectives import OBJECTIVES
 from rft_jax.rl.token_methods import TOKEN_METHODS

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rft_jax.rl import advantages as adv_lib
+from rft_jax.rl.advantages import group as adv_lib
 from rft_jax.rl import losses
 
 

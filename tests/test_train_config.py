@@ -102,7 +102,7 @@ def test_shipped_configs_load_once_paths_are_set(path):
     method = ("entropy_mask", name)
   if name == "unlikely":
     assert cfg.learner.beta_rank == 0.25 and cfg.learner.entropy_method.kind == "none"
-  elif name == "gspo":  # an objective, with its own clip (rft_jax/rl/gspo.py)
+  elif name == "gspo":  # an objective, with its own clip (rft_jax/rl/objectives/gspo.py)
     assert cfg.learner.objective == "gspo" and cfg.learner.mini_batches > 1
     assert (cfg.learner.resolved_eps_low, cfg.learner.resolved_eps_high) == (3e-4, 4e-4)
   elif name != "grpo":

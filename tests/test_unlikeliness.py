@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rft_jax.rl.unlikeliness import likelihood_ranks, mean_token_logp, unlikeliness_rewards
+from rft_jax.rl.advantages.unlikeliness import likelihood_ranks, mean_token_logp, unlikeliness_rewards
 
 
 def verl_masked_mean(values, mask, axis=None):

@@ -41,7 +41,7 @@ from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
                               state_shardings, with_shardings)
 from rft_jax.plan.parameters import parameter_report
 from rft_jax.plan.topology import GiB, Topology
-from rft_jax.rl.critic import Critic, ValueModel
+from rft_jax.rl.advantages.critic import Critic, ValueModel
 from rft_jax.rl.learner import Learner, LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import abstract_cache, call_spec, sampler_rules

@@ -1,6 +1,6 @@
 """Reinforcement learning on rollouts: advantages, policy losses and aggregation (pure functions),
 the registry of token methods (``token_methods/``), and the compiled train steps of the learner
-(``learner/``) and of PPO's critic (``critic.py``). ``rl/`` shares only the model with
+(``learner/``) and of PPO's critic (``advantages/critic.py``). ``rl/`` shares only the model with
 ``sampling/``.
 """
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from rft_jax.entropy.clipping import CLIP_V_MAX_FRAC, LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import DTYPES
-from rft_jax.rl.algorithms import Algorithm, algorithm
+from rft_jax.rl.advantages.algorithms import Algorithm, algorithm
 from rft_jax.rl.checks import choice, finite_numbers, positive
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from rft_jax.rl.objectives import Objective, objective
@@ -163,8 +163,8 @@ class LearnerConfig:
 
   Attributes:
     advantage: estimator name: group estimators (``grpo``, ``drgrpo``, ``rloo``), or ``gae``:
-      PPO with a learned critic (``rft_jax.rl.critic``, the run's ``critic`` settings), token-level
-      GAE advantages whitened over the batch (``rft_jax.rl.gae``).
+      PPO with a learned critic (``rft_jax.rl.advantages.critic``, the run's ``critic`` settings), token-level
+      GAE advantages whitened over the batch (``rft_jax.rl.advantages.gae``).
     advantage_eps: epsilon of the group z-score; advantage_ddof: its std's ddof.
     objective: the policy's surrogate loss, a registered objective (``rft_jax.rl.objectives``):
       ``ppo`` (per-token ratio, the paper's) or ``gspo`` (sequence-level ratio).
@@ -182,7 +182,7 @@ class LearnerConfig:
     rollout_correction: importance weights and rejection for the sampler-learner log-prob
       mismatch (verl's ``algorithm.rollout_correction``; :class:`RolloutCorrectionConfig`).
     beta_rank: the unlikeliness reward's coefficient (He, Fried, Welleck 2025;
-      ``rft_jax.rl.unlikeliness``): within each group, rewards of correct samples are scaled by
+      ``rft_jax.rl.advantages.unlikeliness``): within each group, rewards of correct samples are scaled by
       ``1 - beta_rank * rank / n`` by likelihood under the sampling policy (0: off).
     optim: AdamW, its learning rate eta and schedule (``rft_jax.rl.optimizer.OptimizerConfig``).
     mini_batches: optimizer steps per batch of rollouts; ppo_epochs: passes.
@@ -299,7 +299,7 @@ class LearnerConfig:
 
   @property
   def algorithm(self) -> Algorithm:
-    """The entry of ``advantage`` (``rft_jax.rl.algorithms``): e.g. whether PPO's critic is needed."""
+    """The entry of ``advantage`` (``rft_jax.rl.advantages.algorithms``): e.g. whether PPO's critic is needed."""
     return algorithm(self.advantage)
 
   @property

@@ -4,7 +4,7 @@ A :class:`ModelTrainer` splits a model into its parameters and the rest, owns th
 :class:`~rft_jax.rl.optimizer.OptimizerConfig`, and gives the :class:`TrainState` of the
 parameters, its layout on a mesh (AdamW's moments exactly like the parameters), rows placed over
 the data axis and one optimizer update. :class:`rft_jax.rl.learner.Learner` and
-:class:`rft_jax.rl.critic.Critic` add their compiled steps.
+:class:`rft_jax.rl.advantages.critic.Critic` add their compiled steps.
 
 **LoRA.** A model with LoRA adapters (:mod:`rft_jax.models.lora`) trains its adapters only: the
 *trainable* parameters (:meth:`ModelTrainer.trainable`) are the ``nnx.LoRAParam`` variables, the

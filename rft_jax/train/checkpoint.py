@@ -311,7 +311,7 @@ def restore_policy(run_dir: str, step: int | None = None):
   if cfg.learner.algorithm.needs_critic:  # PPO's checkpoints hold the critic too; only the policy is used
     from flax import nnx
 
-    from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
+    from rft_jax.rl.advantages.critic import ActorCriticState, Critic, ValueModel
 
     value_model = ValueModel.from_policy(load_hf(cfg.model.path), rngs=nnx.Rngs(0))
     template = ActorCriticState(policy=template, critic=Critic(value_model, cfg.critic).init(value_model))

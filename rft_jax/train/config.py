@@ -11,7 +11,7 @@ from any directory.
 
 Some sections are defined by the packages they configure: ``data``
 (:class:`rft_jax.data.config.DataConfig`), ``learner`` (:mod:`rft_jax.rl.config`), ``critic``
-(:mod:`rft_jax.rl.critic`), ``rewards`` (:mod:`rft_jax.rewards`), ``sampling``
+(:mod:`rft_jax.rl.advantages.critic`), ``rewards`` (:mod:`rft_jax.rewards`), ``sampling``
 (:class:`rft_jax.sampling.SamplingParams`), ``eval`` (:mod:`rft_jax.train.eval_config`). Reading
 the YAML file and the overrides, and :class:`ConfigError`, are :mod:`rft_jax.train.config_sources`'.
 """
@@ -32,7 +32,7 @@ from rft_jax.models.config import ATTENTION_KINDS, DECODE_KERNEL_KINDS
 from rft_jax.models.lora import LoraConfig
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
-from rft_jax.rl.critic import CriticConfig
+from rft_jax.rl.advantages.critic import CriticConfig
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.train.config_sources import ConfigError, describe_error, load_yaml, parse_overrides
 from rft_jax.train.eval_config import EvalConfig, EvalSetConfig  # noqa: F401 (imported from here)

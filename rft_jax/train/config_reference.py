@@ -29,10 +29,10 @@ from rft_jax.models.paged_kv import PAGED_ATTENTION_KINDS
 from rft_jax.models.tokenizer import CHAT_TEMPLATE_MODES
 from rft_jax.rewards.extract import EXTRACTORS
 from rft_jax.rewards.schemes import SCHEMES, RewardConfig
-from rft_jax.rl.algorithms import ALGORITHMS
+from rft_jax.rl.advantages.algorithms import ALGORITHMS
 from rft_jax.rl.config import (REF_DTYPES, EntropyMaskConfig, EntropyMethodConfig, LearnerConfig,
                                RolloutCorrectionConfig)
-from rft_jax.rl.critic import CriticConfig
+from rft_jax.rl.advantages.critic import CriticConfig
 from rft_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from rft_jax.rl.objectives import OBJECTIVES
 from rft_jax.rl.optimizer import MOMENT_DTYPES, SCHEDULES, OptimizerConfig

@@ -27,8 +27,8 @@ import numpy as np
 from rft_jax.parallel import is_main_process, sync_processes
 from rft_jax.rewards import score_batch
 from rft_jax.rewards.user_functions import example_rows
-from rft_jax.rl.algorithms import AdvantageInputs, CriticRun
-from rft_jax.rl.critic import ActorCriticState
+from rft_jax.rl.advantages.algorithms import AdvantageInputs, CriticRun
+from rft_jax.rl.advantages.critic import ActorCriticState
 from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir

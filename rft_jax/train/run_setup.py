@@ -15,7 +15,7 @@ from rft_jax.data.config import DataConfig
 from rft_jax.models import load_hf
 from rft_jax.models.lora_model import add_adapters
 from rft_jax.parallel import is_main_process, make_mesh
-from rft_jax.rl.critic import ActorCriticState, Critic, ValueModel
+from rft_jax.rl.advantages.critic import ActorCriticState, Critic, ValueModel
 from rft_jax.rl.learner import Learner
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.policy import load_policy

@@ -4,12 +4,12 @@ advantages from its rewards (and, for PPO, trains the critic), so the loop calls
 * Group estimators (``grpo``, ``drgrpo``, ``rloo``; :data:`rft_jax.rl.advantages.ADVANTAGE_ESTIMATORS`):
   one advantage per completion from its group's rewards (Shao et al. 2024, "DeepSeekMath"; Liu et
   al. 2025, "Understanding R1-Zero-Like Training"; Ahmadian et al. 2024, "Back to Basics").
-* ``gae``: PPO (Schulman et al. 2017) with a learned critic (:mod:`rft_jax.rl.critic`): token-level
-  GAE advantages (Schulman et al. 2016) whitened over the batch (:mod:`rft_jax.rl.gae`), and one
+* ``gae``: PPO (Schulman et al. 2017) with a learned critic (:mod:`rft_jax.rl.advantages.critic`): token-level
+  GAE advantages (Schulman et al. 2016) whitened over the batch (:mod:`rft_jax.rl.advantages.gae`), and one
   step of the critic's value loss per policy step.
 
 Every entry first shapes the rewards with the unlikeliness reward when ``learner.beta_rank > 0``
-(:mod:`rft_jax.rl.unlikeliness`; it changes the advantages' input only). The loop, the checkpoints,
+(:mod:`rft_jax.rl.advantages.unlikeliness`; it changes the advantages' input only). The loop, the checkpoints,
 the preflight checks and ``rft-jax plan`` ask the entry (:func:`algorithm`), e.g. whether it needs
 a critic, rather than test the name; a new estimator is one registered entry
 (:func:`register_algorithm`).
@@ -25,10 +25,10 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.parallel import host_array
-from rft_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
-from rft_jax.rl.gae import gae_advantages, outcome_token_rewards
+from rft_jax.rl.advantages.group import ADVANTAGE_ESTIMATORS, compute_advantages
+from rft_jax.rl.advantages.gae import gae_advantages, outcome_token_rewards
 from rft_jax.rl.named_registry import Registry
-from rft_jax.rl.unlikeliness import mean_token_logp, unlikeliness_rewards
+from rft_jax.rl.advantages.unlikeliness import mean_token_logp, unlikeliness_rewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class AdvantageInputs:
 
 @dataclasses.dataclass(frozen=True)
 class CriticRun:
-  """PPO's critic in a run: the model (:class:`~rft_jax.rl.critic.Critic`), its train state and
+  """PPO's critic in a run: the model (:class:`~rft_jax.rl.advantages.critic.Critic`), its train state and
   GAE's ``gamma`` and ``lam`` (``critic.*``)."""
 
   model: Any
@@ -68,7 +68,7 @@ class StepAdvantages:
   Attributes:
     advantages: ``[B]`` one per completion, or ``[B, L]`` per token (aligned with ``input_ids``).
     critic_targets: PPO's ``([B, L-1] returns, [B, L-1] values)`` at rollout time, next-token
-      aligned as :meth:`~rft_jax.rl.critic.Critic.values`; None without a critic.
+      aligned as :meth:`~rft_jax.rl.advantages.critic.Critic.values`; None without a critic.
   """
 
   advantages: Float[Array, "B"] | Float[Array, "B L"]
@@ -138,7 +138,7 @@ class GroupEstimator(Algorithm):
 class Gae(Algorithm):
   """PPO's token advantages from the critic: each completion's reward at its last token, GAE
   over its tokens with the rollout-time values, whitened over the batch
-  (:func:`~rft_jax.rl.gae.gae_advantages`); the critic then takes one step of its clipped value
+  (:func:`~rft_jax.rl.advantages.gae.gae_advantages`); the critic then takes one step of its clipped value
   loss on the same rollouts."""
 
   needs_critic: bool = True

@@ -12,12 +12,12 @@ value of the state :math:`s_t` = tokens ``0..t``, in which token ``t + 1`` is ch
 that pairs with the action ``input_ids[:, t + 1]``. The last position (no action follows) is
 dropped. This is verl's ``values[:, -response_length - 1 : -1]``. Every ``[B, L-1]`` array of
 :meth:`Critic.step` (``response_mask``, ``returns``, ``old_values``) is aligned the same way:
-``response_mask[:, t] = batch.response_mask[:, t + 1]``. GAE (``rft_jax.rl.gae``) runs on these
+``response_mask[:, t] = batch.response_mask[:, t + 1]``. GAE (``rft_jax.rl.advantages.gae``) runs on these
 arrays; advantages for the learner's ``[B, L]`` token columns are ``pad(adv, ((0, 0), (1, 0)))``.
 
 **Loss** (Schulman et al. 2017, PPO eq. 9; value clipping as verl ``compute_value_loss``): per
 valid token :math:`\ell_t = \frac12\max((V_t - \hat R_t)^2, (\mathrm{clip}(V_t, V^{old}_t \pm c)
-- \hat R_t)^2)` (:func:`~rft_jax.rl.gae.clipped_value_loss`), aggregated with the whole batch's
+- \hat R_t)^2)` (:func:`~rft_jax.rl.advantages.gae.clipped_value_loss`), aggregated with the whole batch's
 normaliser (:func:`~rft_jax.rl.losses.aggregate_loss`), so micro-batch gradients sum exactly.
 One step is one AdamW update (global-norm clipped); a non-finite step is skipped
 (:func:`~rft_jax.rl.nonfinite.keep_if_finite`).
@@ -40,7 +40,7 @@ from rft_jax.models.layers import param
 from rft_jax.parallel import host_array
 from rft_jax.rl.batching import merge_rows, split_rows
 from rft_jax.rl.checks import choice, finite_numbers, positive
-from rft_jax.rl.gae import clipped_value_loss
+from rft_jax.rl.advantages.gae import clipped_value_loss
 from rft_jax.rl.losses import AGGREGATIONS, aggregate_loss, loss_normaliser
 from rft_jax.rl.nonfinite import keep_if_finite
 from rft_jax.rl.model_trainer import ModelTrainer, TrainState
@@ -103,7 +103,7 @@ class CriticConfig:
     loss_agg: aggregation of the per-token loss (``rft_jax.rl.losses.AGGREGATIONS``); max_len:
       Dr.GRPO's constant length for ``seq-mean-token-sum-norm`` (None: ``L - 1``).
     micro_batch_size: sequences per gradient-accumulation step and per forward of :meth:`Critic.values`.
-    gamma, lam: GAE's discount and :math:`\lambda` (``rft_jax.rl.gae``; verl 0.9.1
+    gamma, lam: GAE's discount and :math:`\lambda` (``rft_jax.rl.advantages.gae``; verl 0.9.1
       ``ppo_trainer.yaml`` ``algorithm.gamma`` / ``algorithm.lam``: 1.0, 1.0).
   """
 

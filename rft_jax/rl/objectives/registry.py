@@ -6,7 +6,7 @@ aggregation (``rft_jax.rl.losses``).
   clip-higher (Yu et al. 2025, ``eps_low != eps_high``) and the dual clip (Ye et al. 2020);
   :func:`rft_jax.rl.losses.ppo_clipped_loss`. What GRPO (Shao et al. 2024) and the paper use.
 * ``gspo``: the clipped surrogate on a sequence-level ratio (Zheng et al. 2025);
-  :mod:`rft_jax.rl.gspo`.
+  :mod:`rft_jax.rl.objectives.gspo`.
 
 Each entry says its clip defaults (``learner.eps_low`` / ``eps_high`` left unset take them) and
 the peers' keys, and the learner asks the entry for the loss instead of testing the name. Add
@@ -20,7 +20,7 @@ from typing import Callable
 
 from jaxtyping import Array, Float, Int
 
-from rft_jax.rl.gspo import GSPO_EPS_HIGH, GSPO_EPS_LOW, gspo_loss
+from rft_jax.rl.objectives.gspo import GSPO_EPS_HIGH, GSPO_EPS_LOW, gspo_loss
 from rft_jax.rl.losses import PolicyLossTerms, ppo_clipped_loss
 from rft_jax.rl.named_registry import Registry
 
