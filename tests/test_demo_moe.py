@@ -17,7 +17,7 @@ from rft_jax.demo.methods import METHODS
 from rft_jax.demo.paths import MOE_CHECKPOINT, REPO_ROOT, load_demo_config
 from rft_jax.demo.run import run_demo, split_variants
 from rft_jax.models import Qwen, load_hf
-from rft_jax.train.preflight import validate_for_training
+from rft_jax.train.preflight import check_routing_replay
 
 DENSE_CHECKPOINT = os.path.join(REPO_ROOT, "rft_jax", "demo", "checkpoint")
 MOE_VARIANTS = ("moe_grpo", "moe_grpo_replay", "moe_clip_b", "moe_clip_b_replay")
@@ -58,7 +58,7 @@ def test_moe_variants_train_the_moe_checkpoint_from_any_directory(name, tmp_path
   assert cfg.model.path == MOE_CHECKPOINT
   assert cfg.learner.routing_replay == name.endswith("_replay")
   assert cfg.learner.entropy_mask.kind == ("clip_b" if "clip_b" in name else "none")
-  validate_for_training(cfg, 1)  # routing replay is allowed: the model is a mixture of experts
+  check_routing_replay(cfg)  # the preflight's: replay is allowed, the model is a mixture of experts
 
 
 def test_moe_variants_leave_the_default_demo_alone():
