@@ -2,7 +2,9 @@
 with each feed-forward block a Qwen3-MoE block of 8 experts, top-2, warm-started the same way (the
 same tokenizer, the same careless teacher's worked answers, ``rft-jax sft``'s code) and saved in
 Hugging Face form (``model_type: qwen3_moe``) as package data beside the dense one. Its 300 steps
-of 64 examples (the dense model takes 2400) take about 9 minutes on 2 busy CPU cores.
+of 64 examples (the dense model takes 2400) take about 10 minutes on 2 busy CPU cores; the
+shipped checkpoint is theirs, too weak a start for RL to show (held-out Avg@4 0.02; see
+docs/results/demo.md): ``--steps 2400`` (about 70 minutes) is the next build.
 
     python -m rft_jax.demo.build_moe --out rft_jax/demo/moe_checkpoint
 
