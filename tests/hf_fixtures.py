@@ -49,6 +49,22 @@ def tiny_hf_config(family: str = "qwen3", *, tie: bool = True, heads: int = 4,
   raise ValueError(f"unknown family {family!r}")
 
 
+def random_weights(model, unit_scale: tuple[str, ...] = ()) -> None:
+  """Redraws every parameter of a torch ``model`` from the current seed, in order: norms about
+  1 (``1 + 0.2 N(0, 1)``), parameters whose name ends with one of ``unit_scale`` ``N(0, 1)``
+  (e.g. an MoE router, so that its top-k is distinct), the rest ``0.15 N(0, 1)``."""
+  import torch
+
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif name.endswith(unit_scale):
+        p.copy_(torch.randn_like(p))
+      else:
+        p.copy_(0.15 * torch.randn_like(p))
+
+
 def make_tiny_qwen(root: Path, family: str = "qwen3", *, tie: bool = True, seed: int = 0,
                    max_shard_size: str | None = None, dtype: str = "float32", **config_kw
                    ) -> Path:
@@ -70,12 +86,7 @@ def make_tiny_qwen(root: Path, family: str = "qwen3", *, tie: bool = True, seed:
   config = tiny_hf_config(family, tie=tie, **config_kw)
   torch.manual_seed(seed)
   model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1.0 + 0.2 * torch.randn_like(p))
-      else:
-        p.copy_(0.15 * torch.randn_like(p))
+  random_weights(model)
   model = model.to(getattr(torch, dtype))
   name = f"{family}_{'tied' if tie else 'untied'}_s{seed}_" + "_".join(
       f"{k}{v}" for k, v in sorted(config_kw.items())) + (f"_{max_shard_size}" if max_shard_size

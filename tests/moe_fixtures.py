@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.hf_fixtures import _quiet_transformers
+from tests.hf_fixtures import _quiet_transformers, random_weights
 
 
 def tiny_moe_hf_config(family: str = "qwen3_moe", *, hidden: int = 64, layers: int = 2,
@@ -39,14 +39,7 @@ def make_tiny_moe(root: Path, family: str = "qwen3_moe", *, seed: int = 0,
   config = tiny_moe_hf_config(family, **config_kw)
   torch.manual_seed(seed)
   model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1.0 + 0.2 * torch.randn_like(p))
-      elif name.endswith("mlp.gate.weight"):  # router logits of order 1: distinct top-k
-        p.copy_(torch.randn_like(p))
-      else:
-        p.copy_(0.15 * torch.randn_like(p))
+  random_weights(model, unit_scale=("mlp.gate.weight",))  # router logits of order 1: distinct top-k
   name = f"{family}_s{seed}_" + "_".join(f"{k}{v}" for k, v in sorted(config_kw.items()))
   out = Path(root) / (name + (f"_{max_shard_size}" if max_shard_size else ""))
   model.save_pretrained(out, **({} if max_shard_size is None else
