@@ -434,3 +434,24 @@ def test_off_policy_forecast_is_corollary_3_of_each_update_at_its_own_parameters
   on_start = float(batch_entropy_change(halves[1].advantages[:, None] * jnp.ones_like(old.logp), old.centered,
                                         jnp.asarray(valid), lr * share[1]))
   assert abs(on_start - second) > 0.01 * abs(second)
+
+
+def test_bfloat16_model_learner_log_probs_are_the_samplers():
+  """The learner forms a bfloat16 model's logits as the sampler does (``Qwen.logits``: bfloat16
+  operands, float32 sums), so at the first update its log-probabilities are the sampler's to
+  float32 rounding; with the float32 unembedding (the promoted product) they were up to 8e-4 apart
+  here (tiny logits; ~1e-2 at a real model's)."""
+  model = tiny_model()
+  model.config = dataclasses.replace(model.config, dtype=jnp.bfloat16)
+  model = Qwen(model.config, rngs=nnx.Rngs(0))
+  batch, _ = synthetic_batch(model)
+  learner = Learner(model, config())
+  state = learner.init(model)
+  logp = learner.batch_stats(state.params, batch).logp
+  response = np.asarray(batch.response_mask[:, 1:]) > 0
+  gap = np.abs(np.asarray(logp) - np.asarray(batch.sampler_logp[:, 1:]))[response]
+  assert gap.max() < 1e-5, gap.max()
+  from rft_jax.entropy import token_stats  # the promoted product, for contrast
+  hidden = nnx.jit(lambda m, ids: m(ids, return_hidden=True))(model, batch.input_ids)
+  promoted = token_stats(hidden[:, :-1], batch.input_ids[:, 1:], unembedding=model.unembedding())
+  assert np.abs(np.asarray(promoted.logp) - np.asarray(batch.sampler_logp[:, 1:]))[response].max() > 1e-4

@@ -330,3 +330,33 @@ def test_forward_mode_equals_reference(entropy_grad):
   assert float(jnp.max(jnp.abs(got[1].logp))) > 0
   assert (float(jnp.max(jnp.abs(got[1].entropy))) > 0) == entropy_grad
   assert float(jnp.max(jnp.abs(got[1].s_star))) == 0 == float(jnp.max(jnp.abs(got[1].expected_s)))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_product_dtype_gives_the_models_logits_and_float32_unembedding_gradients(chunk_size):
+  """With ``product_dtype`` a bfloat16 model's statistics are those of its own logits (bfloat16
+  operands, float32 sums: what ``Qwen.logits`` and so the sampler compute), where a float32
+  unembedding times bfloat16 hidden states is a float32 product whose log-probabilities sit
+  ~1e-2 away; the float32 unembedding's gradient stays float32."""
+  hidden, w, tokens = random_case(dtype=jnp.float32, seed=5)
+  hidden = (3 * hidden).astype(jnp.bfloat16)
+  models = jnp.einsum("...d,dv->...v", hidden, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  want = naive_stats(models, tokens, 0.7)
+  got = jax.jit(lambda h, u: E.token_stats(h, tokens, unembedding=u, temperature=0.7, chunk_size=chunk_size,
+                                           product_dtype=jnp.bfloat16))(hidden, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  promoted = E.token_stats(hidden, tokens, unembedding=w, temperature=0.7, chunk_size=chunk_size)
+  assert float(jnp.max(jnp.abs(promoted.logp - want.logp))) > 1e-3
+
+  def loss(h, u, product_dtype, chunk):
+    return jnp.sum(E.token_stats(h, tokens, unembedding=u, temperature=0.7, chunk_size=chunk,
+                                 product_dtype=product_dtype).logp)
+
+  grads = jax.jit(jax.grad(lambda h, u: loss(h, u, jnp.bfloat16, chunk_size), (0, 1)))(hidden, w)
+  assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
+  exact = jax.grad(lambda h, u: loss(h, u, None, None), (0, 1))(hidden.astype(jnp.float32), w.astype(jnp.bfloat16)
+                                                               .astype(jnp.float32))
+  for a, b in zip(grads, exact):
+    b = np.float32(b)
+    np.testing.assert_allclose(np.float32(a), b, atol=2e-2 * float(np.max(np.abs(b))))

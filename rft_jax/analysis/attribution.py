@@ -82,7 +82,8 @@ def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k
   batch = learner_batch(rollouts)
   ids = jnp.asarray(batch.input_ids)
   hidden = model(ids, jnp.asarray(batch.attention_mask), return_hidden=True)
-  stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding(), temperature=temperature)
+  stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding(), product_dtype=model.config.dtype,
+                      temperature=temperature)
   response = jnp.asarray(batch.response_mask[:, 1:], jnp.float32)
   token_adv = jnp.asarray(advantages)[:, None] * response
   keep = entropy_keep_mask(LearnerConfig(entropy_mask=mask), stats, jnp.asarray(batch.sampler_logp[:, 1:]),

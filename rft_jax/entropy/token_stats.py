@@ -91,6 +91,7 @@ class _Static(NamedTuple):
 
   entropy_grad: bool
   temperature: float | None
+  product_dtype: jnp.dtype | None = None
 
 
 # Shifted logits are clamped here (only -inf and absurd logits reach it): exp underflows to
@@ -99,12 +100,20 @@ class _Static(NamedTuple):
 _LOG_UNDERFLOW = -1e30
 
 
-def _scaled_logits(x, unembedding, temperature, dtype):
+def _product(x, unembedding, product_dtype, dtype):
+  """``x @ unembedding`` accumulated and returned in ``dtype``, its operands first cast to
+  ``product_dtype`` (None: as they are)."""
+  if product_dtype is not None:
+    x, unembedding = x.astype(product_dtype), unembedding.astype(product_dtype)
+  return jnp.dot(x, unembedding, preferred_element_type=dtype)
+
+
+def _scaled_logits(x, unembedding, temperature, dtype, product_dtype=None):
   """The chunk's :math:`z / T`, ``[c, V]`` in ``dtype`` (float32 or wider)."""
   if unembedding is None:
     logits = x.astype(dtype)
   else:
-    logits = jnp.dot(x, unembedding, preferred_element_type=dtype)
+    logits = _product(x, unembedding, product_dtype, dtype)
   return logits / temperature
 
 
@@ -141,7 +150,7 @@ def _chunk_forward(static: _Static, x, unembedding, tokens, temperature):
   """
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   t = static.temperature if static.temperature is not None else temperature
-  z = _scaled_logits(x, unembedding, t, dtype)
+  z = _scaled_logits(x, unembedding, t, dtype, static.product_dtype)
   top = jnp.argmax(z, axis=-1)
   z_top = jnp.max(z, axis=-1)
   is_top = jnp.arange(z.shape[-1]) == top[:, None]
@@ -212,9 +221,9 @@ def _chunk_stats_jvp(static: _Static, primals, tangents):
   parts = []
   if not _is_zero(d_x):
     parts.append(d_x.astype(dtype) if unembedding is None
-                 else jnp.dot(d_x, unembedding, preferred_element_type=dtype))
+                 else _product(d_x, unembedding, static.product_dtype, dtype))
   if unembedding is not None and not _is_zero(d_u):
-    parts.append(jnp.dot(x, d_u, preferred_element_type=dtype))
+    parts.append(_product(x, d_u, static.product_dtype, dtype))
   shifted = _shifted(z, jnp.arange(z.shape[-1]) == top[:, None], z_top)
   d_z = (parts[0] if len(parts) == 1 else parts[0] + parts[1]) / t if parts else jnp.zeros_like(z)
   if static.temperature is None and not _is_zero(d_t):
@@ -232,13 +241,14 @@ def _chunk_stats_jvp(static: _Static, primals, tangents):
 _chunk_stats.defjvp(_chunk_stats_jvp, symbolic_zeros=True)
 
 
-def _chunked_stats(flat_x, flat_t, unembedding, temperature, chunk_size: int, entropy_grad: bool) -> TokenStats:
+def _chunked_stats(flat_x, flat_t, unembedding, temperature, chunk_size: int, entropy_grad: bool,
+                   product_dtype=None) -> TokenStats:
   """``flat_x [n, F]`` in ``n // chunk_size`` chunks scanned by ``lax.map`` (and a last,
   shorter one), each a :func:`_chunk_stats` call."""
   if isinstance(temperature, (int, float)):
-    static, temperature = _Static(entropy_grad, float(temperature)), None
+    static, temperature = _Static(entropy_grad, float(temperature), product_dtype), None
   else:
-    static = _Static(entropy_grad, None)
+    static = _Static(entropy_grad, None, product_dtype)
     temperature = jnp.asarray(temperature)
     temperature = temperature.astype(jnp.promote_types(temperature.dtype, jnp.float32))
   # Differentiated, the backward pass keeps only the [c] values named _SAVED (and the inputs)
@@ -264,6 +274,7 @@ def token_stats(
     temperature: float | Float[Array, ""] = 1.0,
     chunk_size: int | None = 512,
     entropy_grad: bool = False,
+    product_dtype=None,
 ) -> TokenStats:
   r"""Log-prob, entropy, :math:`S_*` and :math:`\mathbb{E}_p[S]` at every position.
 
@@ -283,6 +294,13 @@ def token_stats(
     chunk_size: positions per chunk; peak memory is ``O(chunk_size * V)``. ``None``
       processes all positions at once (the naive path, for reference).
     entropy_grad: let gradients flow through ``entropy`` too (for an entropy bonus).
+    product_dtype: the dtype ``inputs`` and ``unembedding`` are cast to for their product
+      (still accumulated in float32): a model's compute dtype, so that the logits are the
+      sampler's (:meth:`rft_jax.models.Qwen.logits`) and a bfloat16 model's product runs at the
+      bfloat16 rate. ``unembedding``'s gradient is then each chunk's product cast back to its
+      dtype, summed over the chunks in that dtype (float32 for float32 parameters). None: the
+      operands as they are (a bfloat16 ``inputs`` times a float32 ``unembedding`` is a float32
+      product).
 
   Returns:
     :class:`TokenStats` of ``[...]`` arrays. Only ``logp`` (and ``entropy`` with
@@ -299,13 +317,10 @@ def token_stats(
         f"size {inputs.shape[-1]}"
     )
   dtype = jnp.promote_types(inputs.dtype, jnp.float32)
+  product_dtype = None if product_dtype is None else jnp.dtype(product_dtype)
 
   def position_stats(x: Float[Array, "F"], token: Int[Array, ""]) -> TokenStats:
-    if unembedding is None:
-      logits = x.astype(dtype)
-    else:
-      logits = jnp.dot(x, unembedding, preferred_element_type=dtype)
-    return _row_stats(logits / temperature, token, entropy_grad)
+    return _row_stats(_scaled_logits(x, unembedding, temperature, dtype, product_dtype), token, entropy_grad)
 
   flat_x = inputs.reshape(-1, inputs.shape[-1])
   flat_t = tokens.reshape(-1)
@@ -315,5 +330,5 @@ def token_stats(
   else:
     # lax.map scans over chunks; each chunk's closed-form backward recomputes its logits
     # from [chunk] residuals, so neither pass ever holds more than one chunk of [., V].
-    stats = _chunked_stats(flat_x, flat_t, unembedding, temperature, chunk_size, entropy_grad)
+    stats = _chunked_stats(flat_x, flat_t, unembedding, temperature, chunk_size, entropy_grad, product_dtype)
   return TokenStats(*(s.reshape(tokens.shape) for s in stats))

@@ -80,7 +80,7 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
 def _entropy_sums(model, input_ids, attention_mask, response_mask, temperature: float, mesh=None):
   hidden = model(input_ids, attention_mask, return_hidden=True, mesh=mesh)
   stats = token_stats(hidden[:, :-1], input_ids[:, 1:], unembedding=model.unembedding(),
-                      temperature=temperature)
+                      product_dtype=model.config.dtype, temperature=temperature)
   mask = response_mask[:, 1:].astype(jnp.float32)  # position t predicts token t + 1
   return jnp.sum(stats.entropy * mask), jnp.sum(mask)
 

@@ -59,7 +59,7 @@ def sft(model: nnx.Module, ids: np.ndarray, response_mask: np.ndarray, attention
 
   def loss_fn(model, ids, mask, attn):
     hidden = model(ids, attn, return_hidden=True)
-    stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding())
+    stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding(), product_dtype=model.config.dtype)
     target = mask[:, 1:]
     return -jnp.sum(stats.logp * target) / jnp.maximum(jnp.sum(target), 1.0)
 

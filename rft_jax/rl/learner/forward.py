@@ -27,7 +27,7 @@ class ForwardPasses:
     hidden, counts = routing.forward(model, self.router, routed, attention_mask, input_ids, attention_mask,
                                      mesh=self.mesh)
     return token_stats(hidden[:, first_position:-1], input_ids[:, first_position + 1:],
-                       unembedding=model.unembedding(),
+                       unembedding=model.unembedding(), product_dtype=model.config.dtype,
                        temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
                        entropy_grad=entropy_grad), counts
 
@@ -38,7 +38,7 @@ class ForwardPasses:
     model = self.merge(params)
     hidden, counts = routing.forward(model, self.router, routed, packed.segment_ids > 0, packed.input_ids,
                                      positions=packed.positions, segment_ids=packed.segment_ids, mesh=self.mesh)
-    return token_stats(hidden, packed.targets, unembedding=model.unembedding(),
+    return token_stats(hidden, packed.targets, unembedding=model.unembedding(), product_dtype=model.config.dtype,
                        temperature=self.config.sampling_temperature, chunk_size=self.config.stats_chunk_size,
                        entropy_grad=entropy_grad), counts
 
