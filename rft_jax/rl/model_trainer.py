@@ -58,6 +58,9 @@ class ModelTrainer:
     self.data_axis = data_axis
     self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
     self.optimizer, self.schedule = make_optimizer(optim)
+    # moment_dtype float32 beside bfloat16 parameters: the optimizer's arithmetic in float32, so
+    # the micro-batches' gradients are summed in float32 too (else a bfloat16 running sum).
+    self.accumulate_dtype = None if optim.moment_dtype == "auto" else jnp.dtype(optim.moment_dtype)
     self.lora = has_adapters(model)  # train the LoRA adapters only
 
   # ---------------------------------------------------------------------------------------
@@ -87,8 +90,17 @@ class ModelTrainer:
     return value_and_grad
 
   def zero_grads(self, params):
-    """Zeros shaped like the gradients of :meth:`value_and_grad` (an accumulator's start)."""
-    return jax.tree.map(jnp.zeros_like, self.trainable(params))
+    """Zeros shaped like the gradients of :meth:`value_and_grad` (an accumulator's start), in
+    the parameters' dtype or, with ``moment_dtype: float32``, at least float32."""
+    def zeros(x):
+      dtype = x.dtype if self.accumulate_dtype is None else jnp.promote_types(x.dtype, self.accumulate_dtype)
+      return jnp.zeros_like(x, dtype)
+    return jax.tree.map(zeros, self.trainable(params))
+
+  @staticmethod
+  def add_grads(total, grads):
+    """``total + grads`` leaf by leaf, in ``total``'s dtype (:meth:`zero_grads`)."""
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), total, grads)
 
   def init(self, model: nnx.Module) -> TrainState:
     """A fresh train state holding ``model``'s parameter arrays (in place, with their shardings).

@@ -40,7 +40,8 @@ class OptimizerConfig:
       parameters: float32 moments; ``model.param_dtype: bfloat16``: bfloat16 moments, half the
       optimizer's bytes, but a second moment of 8 significant bits), or ``float32`` (with
       bfloat16 parameters: float32 moments, the update computed in float32 and rounded to
-      bfloat16 only when added to the parameters; twice ``auto``'s optimizer bytes).
+      bfloat16 only when added to the parameters, the micro-batches' gradients summed in
+      float32; twice ``auto``'s optimizer bytes and a float32 gradient sum).
   """
 
   lr: float = 1e-6

@@ -195,10 +195,10 @@ class Critic(ModelTrainer):
 
     def accumulate(carry, micro):
       (micro_loss, aux), micro_grads = grad_fn(state.params, micro, normaliser)
-      return jax.tree.map(jnp.add, carry, (micro_grads, micro_loss, *aux)), None
+      return (self.add_grads(carry[0], micro_grads), *jax.tree.map(jnp.add, carry[1:], (micro_loss, *aux))), None
 
     zero = jnp.zeros((), jnp.float32)
-    init = (jax.tree.map(jnp.zeros_like, state.params), zero, jnp.zeros((), jnp.int32), zero)
+    init = (self.zero_grads(state.params), zero, jnp.zeros((), jnp.int32), zero)
     (grads, loss, clipped, value_sum), _ = jax.lax.scan(accumulate, init, micros)
     new, grad_norm = self.apply_gradients(state, grads)
     new, skipped = keep_if_finite(new, state, [loss, grad_norm])

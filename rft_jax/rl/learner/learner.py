@@ -158,7 +158,7 @@ class Learner(ForwardPasses, ModelTrainer):
       (micro_loss, (micro_counts, stats)), micro_grads = grad_fn(
           state.params, micro, normaliser, first_update, first_position, router_scale)
       counts = merge_counts(counts, micro_counts)
-      return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, counts), (stats if with_stats else None)
+      return (self.add_grads(grads, micro_grads), loss + micro_loss, counts), (stats if with_stats else None)
 
     init = (self.zero_grads(state.params), jnp.zeros((), jnp.float32),
             routing.zero_counts(self.router, plan.zero_counts(), compared="expert_ids" in mini))
