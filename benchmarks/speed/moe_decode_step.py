@@ -10,7 +10,7 @@ Contenders, alternated round by round (the median over rounds is reported):
 
 * ``dense``: the dense model;
 * ``moe``: the MoE model, its experts by the product :func:`rft_jax.models.moe.expert_product`
-  picks (on CPU: the tiled loop of :mod:`rft_jax.models.moe_cpu`);
+  picks (on CPU: the tiled loop of :mod:`rft_jax.models.expert_tiles`);
 * ``moe ragged`` (``--ragged``): the MoE model with that rule forced to ``ragged``
   (:func:`jax.lax.ragged_dot`, the product before the tiled loop).
 

@@ -45,25 +45,27 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
                attention: SelfAttention, expert_ids: Int[Array, "B T k"] | None = None, *,
-               return_routing: bool = False
+               return_routing: bool = False, platform: str | None = None
                ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"], Routing]:
     """One layer, causal self-attention within ``x`` (``valid``: the real tokens; ``rope``:
     :meth:`Qwen.rope` of the tokens' positions, shared by the layers). An MoE layer routes by
     ``expert_ids`` when given (replay) and, with ``return_routing``, returns its
-    :class:`~rft_jax.models.moe.Routing` too: ``(x, routing)``."""
+    :class:`~rft_jax.models.moe.Routing` too: ``(x, routing)``; ``platform``: the devices' (the
+    expert product's choice; None: the default backend's)."""
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
     x = x + self.attn.out(attention(q, k, v, valid))
-    y, routing = self.feed_forward(self.post_attention_layernorm(x), expert_ids)
+    y, routing = self.feed_forward(self.post_attention_layernorm(x), expert_ids, platform=platform)
     return (x + y, routing) if return_routing else x + y
 
   def feed_forward(self, h: Float[Array, "B T D"], expert_ids: Int[Array, "B T k"] | None = None,
-                   *, decoding: bool = False) -> tuple[Float[Array, "B T D"], Routing | None]:
+                   *, decoding: bool = False, platform: str | None = None
+                   ) -> tuple[Float[Array, "B T D"], Routing | None]:
     """The MLP or MoE block on the normed residual ``h``: ``(y, routing)``, routing None for
     a dense layer (which takes no ``expert_ids``). ``decoding``: the cache paths' MoE form,
     which ``jax.vmap`` takes and ``jax.grad`` does not
     (:func:`~rft_jax.models.moe.grouped_experts`)."""
     if isinstance(self.mlp, MoE):
-      return self.mlp(h, expert_ids, vmappable=decoding)
+      return self.mlp(h, expert_ids, vmappable=decoding, platform=platform)
     if expert_ids is not None:
       raise ValueError("DecoderLayer: expert_ids given to a dense layer (no experts)")
     return self.mlp(h), None

@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rft_jax.models.layers import MLP, normal_init, param
-from rft_jax.models.moe_cpu import tiled_experts
+from rft_jax.models.expert_tiles import tiled_experts
 
 
 @flax.struct.dataclass
@@ -76,7 +76,7 @@ def route(router_logits: Float[Array, "N E"], k: int, norm_topk_prob: bool,
 def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
                     weights: Float[Array, "N k"], gate: Float[Array, "E D I"],
                     up: Float[Array, "E D I"], down: Float[Array, "E I D"], *,
-                    vmappable: bool = False) -> Float[Array, "N D"]:
+                    vmappable: bool = False, platform: str | None = None) -> Float[Array, "N D"]:
   r""":math:`\sum_j w_j E_{e_j}(x)` for every token, dropless, with grouped products.
 
   The ``N k`` assignments are sorted by expert (stable), each expert's rows multiplied by its
@@ -89,11 +89,13 @@ def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   (tokens are independent). It has no derivative (``custom_vmap``): the full forward, which the
   learner differentiates, runs the plain form.
 
-  The product (:func:`expert_product`): the ragged one, but for the form without a derivative
-  on CPU, the tiled loop of :mod:`rft_jax.models.moe_cpu`.
+  The product: :func:`expert_product` of ``platform`` (the devices'; None: the default
+  backend's; the cache form always the default backend's).
   """
   if vmappable:
     return _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down)
+  if expert_product(platform or jax.default_backend(), differentiable=True) == "tiled":
+    return tiled_experts(x, expert_ids, weights, gate, up, down, differentiable=True)
   return _grouped_experts(x, expert_ids, weights, gate, up, down)
 
 
@@ -103,15 +105,19 @@ EXPERT_PRODUCTS = ("ragged", "tiled")
 def expert_product(platform: str, differentiable: bool) -> str:
   """The expert product that does the least work on ``platform`` (``cpu``, ``gpu``, ``tpu``).
 
-  * ``ragged`` (:func:`jax.lax.ragged_dot`): a grouped product on GPUs and TPUs, every
-    assignment's rows once; differentiable. On CPU XLA expands it over all ``E`` experts
-    (``N k E`` rows), which only a path that must be differentiated accepts.
-  * ``tiled`` (:func:`rft_jax.models.moe_cpu.tiled_experts`): on CPU, where no derivative is
-    taken (the cache paths: prefill, extend, the decode steps), at every token count: only the
-    experts used are read, ``N k`` rows plus at most one part-filled tile per expert. Its
-    data-dependent loop has no reverse-mode rule.
+  * ``ragged`` (:func:`jax.lax.ragged_dot`): on TPUs, whose compiler has a grouped product
+    (every assignment's rows once, the FLOPs of ``N k`` rows); on GPUs where nothing is
+    differentiated (the cache paths; unmeasured against the tiles).
+  * ``tiled`` (:func:`rft_jax.models.expert_tiles.tiled_experts`): on CPUs, and on GPUs where a
+    derivative is taken (the full forward the learner differentiates): XLA's CPU and GPU
+    backends expand ``ragged_dot`` over all ``E`` experts (on a GPU a ``[N k, E D]`` copy of
+    the rows: 32 GiB a layer at 8 x 8,192 assignments of Qwen3-30B-A3B), where the tiles
+    compute ``N k`` rows plus at most one part-filled tile per expert. ``differentiable``
+    picks its form (the map over every possible tile, or the loop over those that exist).
   """
-  return "tiled" if platform == "cpu" and not differentiable else "ragged"
+  if platform == "tpu":
+    return "ragged"
+  return "tiled" if platform == "cpu" or differentiable else "ragged"
 
 
 def _grouped_experts(x, expert_ids, weights, gate, up, down):
@@ -180,8 +186,8 @@ class ExpertWeights:
 
 
 def sparse_block(x: Float[Array, "N D"], w: ExpertWeights, k: int, norm_topk_prob: bool,
-                 expert_ids: Int[Array, "N k"] | None = None, *, vmappable: bool = False
-                 ) -> tuple[Float[Array, "N D"], Routing]:
+                 expert_ids: Int[Array, "N k"] | None = None, *, vmappable: bool = False,
+                 platform: str | None = None) -> tuple[Float[Array, "N D"], Routing]:
   r"""The sparse block on ``x`` (the normed residual, in the compute dtype): the router's
   logits :math:`x W_r` (accumulated in float32), :func:`route` (top-k, or ``expert_ids``),
   :func:`grouped_experts` (``vmappable``: its cache-path form), plus the gated shared expert
@@ -193,7 +199,7 @@ def sparse_block(x: Float[Array, "N D"], w: ExpertWeights, k: int, norm_topk_pro
   dtype = x.dtype
   logits = jnp.einsum("nd,de->ne", x, w.router.astype(dtype), preferred_element_type=jnp.float32)
   weights, ids = route(logits, k, norm_topk_prob, expert_ids)
-  y = grouped_experts(x, ids, weights, w.gate, w.up, w.down, vmappable=vmappable)
+  y = grouped_experts(x, ids, weights, w.gate, w.up, w.down, vmappable=vmappable, platform=platform)
   if w.shared_gate is not None:
     h = (jax.nn.silu(x @ w.shared_gate.astype(dtype)) * (x @ w.shared_up.astype(dtype))
          ) @ w.shared_down.astype(dtype)
@@ -241,14 +247,16 @@ class MoE(nnx.Module):
                          up=self.expert_up[...], down=self.expert_down[...], **shared)
 
   def __call__(self, x: Float[Array, "B T D"], expert_ids: Int[Array, "B T k"] | None = None,
-               *, vmappable: bool = False) -> tuple[Float[Array, "B T D"], Routing]:
+               *, vmappable: bool = False, platform: str | None = None
+               ) -> tuple[Float[Array, "B T D"], Routing]:
     """The block on ``x`` (the post-attention normed residual), routed by its own top-k or by
     ``expert_ids`` (replay); returns the output and the :class:`Routing` (``[B, T, ...]``).
-    ``vmappable``: the cache paths' form (:func:`grouped_experts`), without a derivative."""
+    ``vmappable``: the cache paths' form (:func:`grouped_experts`), without a derivative;
+    ``platform``: the devices' (the expert product's choice)."""
     shape = x.shape
     ids = None if expert_ids is None else expert_ids.reshape(-1, self.k)
     y, routing = sparse_block(x.astype(self.dtype).reshape(-1, shape[-1]), self.expert_weights(),
-                              self.k, self.norm_topk_prob, ids, vmappable=vmappable)
+                              self.k, self.norm_topk_prob, ids, vmappable=vmappable, platform=platform)
     return y.reshape(shape), jax.tree.map(lambda a: a.reshape(*shape[:-1], -1), routing)
 
 

@@ -1,6 +1,9 @@
-"""The CPU expert product (rft_jax/models/moe_cpu.py) and the rule that picks it (issue 54)."""
+"""The tiled expert product (rft_jax/models/expert_tiles.py), its two forms, and the rule that picks it
+(issue 54)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,7 @@ import numpy as np
 import pytest
 
 from rft_jax.models.moe import _grouped_experts, expert_product, grouped_experts
-from rft_jax.models.moe_cpu import tile_rows, tiled_experts
+from rft_jax.models.expert_tiles import tile_rows, tiled_experts
 
 
 def experts(n: int, num_experts: int = 8, k: int = 2, d: int = 16, i: int = 12, seed: int = 0,
@@ -42,9 +45,40 @@ def test_tile_rows():
 
 def test_expert_product_rule():
   assert expert_product("cpu", differentiable=False) == "tiled"
-  assert expert_product("cpu", differentiable=True) == "ragged"
+  assert expert_product("cpu", differentiable=True) == "tiled"
+  assert expert_product("gpu", differentiable=True) == "tiled"
   assert expert_product("gpu", differentiable=False) == "ragged"
-  assert expert_product("tpu", differentiable=False) == "ragged"
+  assert [expert_product("tpu", differentiable=d) for d in (False, True)] == ["ragged", "ragged"]
+
+
+@pytest.mark.parametrize("n, tile, skewed", [(1, None, False), (5, 2, False), (40, 8, True), (64, 3, False)])
+def test_differentiable_tiles_equal_the_ragged_product_and_its_gradients(n, tile, skewed):
+  """The map over every possible tile: the ragged product's values and gradients (to rounding),
+  with experts that get no rows (skewed) and tiles past the data's."""
+  x, ids, weights, gate, up, down = experts(n, skewed=skewed)
+
+  def loss(product, x, weights, gate, up, down):
+    return jnp.sum(jnp.sin(product(x, ids, weights, gate, up, down)))
+
+  tiles = lambda *a: tiled_experts(*a, tile=tile, differentiable=True)
+  np.testing.assert_allclose(jax.jit(tiles)(x, ids, weights, gate, up, down),
+                             _grouped_experts(x, ids, weights, gate, up, down), rtol=2e-5, atol=2e-5)
+  got = jax.jit(jax.grad(lambda *a: loss(tiles, *a), argnums=(0, 1, 2, 3, 4)))(x, weights, gate, up, down)
+  want = jax.grad(lambda *a: loss(_grouped_experts, *a), argnums=(0, 1, 2, 3, 4))(x, weights, gate, up, down)
+  for i, (a, b) in enumerate(zip(got, want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"grad {i}")
+  assert float(jnp.max(jnp.abs(got[2]))) > 0
+
+
+def test_the_gpu_learners_expert_product_is_the_tiles_not_an_expanded_ragged_dot():
+  """On a GPU XLA expands ragged_dot into a [N k, E D] copy of the rows; the differentiated
+  form there (the learner's) is the tiles: its program has no dot over E D columns and a
+  jaxpr with no ragged_dot (traced for ``platform="gpu"`` on CPU)."""
+  x, ids, weights, gate, up, down = experts(32, num_experts=16)
+  for platform, ragged in (("gpu", False), ("tpu", True), ("cpu", False)):
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(grouped_experts(
+        x, ids, weights, gate, up, down, platform=platform))))(x)
+    assert ("ragged_dot" in str(jaxpr)) == ragged, platform
 
 
 def test_cache_form_jits_and_vmaps_as_the_ragged_product():
@@ -60,14 +94,15 @@ def test_cache_form_jits_and_vmaps_as_the_ragged_product():
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_differentiated_form_keeps_the_ragged_product():
-  """The learner's form is the ragged product on CPU too: its gradients are the ragged ones."""
+def test_differentiated_form_on_cpu_is_the_tiles():
+  """The learner's form on CPU is the differentiable tiles: its gradients are theirs exactly."""
   x, ids, weights, gate, up, down = experts(12)
 
   def loss(product, x, weights, gate, up, down):
     return jnp.sum(jnp.sin(product(x, ids, weights, gate, up, down)))
 
   plain = jax.grad(lambda *a: loss(grouped_experts, *a), argnums=(0, 1, 2, 3, 4))
-  ragged = jax.grad(lambda *a: loss(_grouped_experts, *a), argnums=(0, 1, 2, 3, 4))
-  for got, want in zip(plain(x, weights, gate, up, down), ragged(x, weights, gate, up, down)):
+  tiles = jax.grad(lambda *a: loss(functools.partial(tiled_experts, differentiable=True), *a),
+                   argnums=(0, 1, 2, 3, 4))
+  for got, want in zip(plain(x, weights, gate, up, down), tiles(x, weights, gate, up, down)):
     np.testing.assert_array_equal(got, want)

@@ -1,11 +1,12 @@
-r"""The routed experts' products on CPU: a loop over tiles of each used expert's rows.
+r"""The routed experts' products as a loop over tiles of each used expert's rows.
 
-XLA's CPU backend has no grouped matrix product: it expands :func:`jax.lax.ragged_dot` over
-every expert, so the ``N k`` assignments cost as ``N k E`` rows' products (and a decode step
-reads the weights of all ``E`` experts however few the tokens route to). Here the assignments are
+Neither XLA's CPU nor its GPU backend (jax 0.10) has a grouped matrix product: both expand
+:func:`jax.lax.ragged_dot` over every expert, the GPU one by building a ``[N k, E D]`` masked
+copy of the rows (32 GiB for 65,536 assignments of Qwen3-30B-A3B's 128 experts of 2,048 x 768,
+``E`` times the products' work), the CPU one as ``N k E`` rows' products. Here the assignments are
 sorted by expert, as for the ragged product, and cut into tiles of ``tile`` rows that each
 belong to one expert (an expert with ``s_e`` rows has :math:`\lceil s_e / \mathrm{tile}\rceil`
-tiles, the last one partly masked); one compiled loop runs the tiles that exist,
+tiles, the last one partly masked); a loop runs the tiles,
 
 .. math:: T = \sum_{e:\, s_e > 0} \lceil s_e / \mathrm{tile} \rceil
    \le \lceil N k / \mathrm{tile} \rceil + \min(E, N k),
@@ -17,9 +18,12 @@ top-8, float32, 2 cores under a load average of 4-10, 2026-11-29): 2.3 ms agains
 product's 137 ms at one token, 25 against 409 ms at 64, 71 against 1,866 ms at 512; the whole
 decode step: ``benchmarks/speed/moe_decode_step.py`` and ``docs/results/moe.md``.
 
-The loop's trip count is the data's, so it has no reverse-mode derivative: it serves the paths
-that are not differentiated (the sampler's prefill and decode steps); :func:`rft_jax.models.moe.
-grouped_experts` says which path runs where.
+Two forms: the loop over the tiles that exist (a trip count of the data's, no reverse-mode
+derivative: the sampler's prefill and decode steps), and, ``differentiable``, a map over the
+bound :math:`T` above (tiles past the data's are empty and add nothing), each tile
+rematerialised in the backward pass, whose gradients are the ragged product's and whose
+memory is the rows' (``O(N k (D + I))``), never ``O(N k E)``. :func:`rft_jax.models.moe.
+expert_product` says which product runs where.
 """
 
 from __future__ import annotations
@@ -43,13 +47,15 @@ def tile_rows(assignments: int, num_experts: int) -> int:
 def tiled_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
                   weights: Float[Array, "N k"], gate: Float[Array, "E D I"],
                   up: Float[Array, "E D I"], down: Float[Array, "E I D"],
-                  tile: int | None = None) -> Float[Array, "N D"]:
+                  tile: int | None = None, differentiable: bool = False) -> Float[Array, "N D"]:
   r""":math:`\sum_j w_j E_{e_j}(x)` for every token, by a loop over tiles of one expert's rows.
 
   Args:
     x: ``[N, D]`` tokens; expert_ids, weights: ``[N, k]`` their experts and routing weights.
     gate, up: ``[E, D, I]``; down: ``[E, I, D]`` the stacked experts.
     tile: rows per tile (default :func:`tile_rows`).
+    differentiable: the map over every possible tile (reverse-mode differentiable), not the
+      loop over the tiles that exist.
 
   Returns:
     ``[N, D]`` in ``x.dtype``, equal to the ragged form's to rounding (products in ``x.dtype``,
@@ -75,15 +81,25 @@ def tiled_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   count = jnp.clip(starts[expert] + sizes[expert] - start, 0, tile)  # its rows in the tile
   lane = jnp.arange(tile)
 
-  def one_tile(i, out):
-    e, s = expert[i], start[i]
+  def tile_output(e, s, n):
     r = jax.lax.dynamic_slice_in_dim(rows, s, tile)  # [tile, D]
     h = jax.nn.silu(r @ gate[e]) * (r @ up[e])
-    w = jnp.where(lane < count[i], jax.lax.dynamic_slice_in_dim(scale, s, tile), 0)
-    y = (h @ down[e]) * w[:, None]  # masked rows (the next expert's, or padding) add 0
-    return jax.lax.dynamic_update_slice_in_dim(
-        out, jax.lax.dynamic_slice_in_dim(out, s, tile) + y, s, 0)
+    w = jnp.where(lane < n, jax.lax.dynamic_slice_in_dim(scale, s, tile), 0)
+    return (h @ down[e]) * w[:, None]  # masked rows (the next expert's, or padding) add 0
 
-  out = jax.lax.fori_loop(0, tiles_end[-1], one_tile, jnp.zeros((a + tile, d), dtype))[:a]
+  if differentiable:
+    # Every possible tile; those past the data's have no rows (count 0) and add zeros. The
+    # rows a tile covers are its own, so the scatter's sums meet only those zeros.
+    ys = jax.lax.map(jax.checkpoint(lambda xs: tile_output(*xs), prevent_cse=False),
+                     (expert, start, jnp.where(t < tiles_end[-1], count, 0)))  # [T, tile, D]
+    index = jnp.minimum(start[:, None] + lane, a + tile - 1)
+    out = jnp.zeros((a + tile, d), dtype).at[index].add(ys)[:a]
+  else:
+    def one_tile(i, out):
+      s = start[i]
+      return jax.lax.dynamic_update_slice_in_dim(
+          out, jax.lax.dynamic_slice_in_dim(out, s, tile) + tile_output(expert[i], s, count[i]), s, 0)
+
+    out = jax.lax.fori_loop(0, tiles_end[-1], one_tile, jnp.zeros((a + tile, d), dtype))[:a]
   y = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in assignment order
   return y.reshape(n, k, d).sum(axis=1)
