@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from rft_jax.models import Qwen, QwenConfig
-from rft_jax.models.lora import LORA_TARGETS, LoraConfig
+from rft_jax.models.lora import PROJECTIONS, LoraConfig
 from rft_jax.models.lora_model import add_adapters, has_adapters, merged
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
 from rft_jax.rl.learner import Learner
@@ -48,9 +48,9 @@ def learner_config(**kw):
 # Config.
 
 def test_lora_config_normalises_targets_and_names_bad_values():
-  assert LoraConfig().targets == LORA_TARGETS
+  assert LoraConfig().targets == PROJECTIONS
   assert LoraConfig(targets=("v", "q_proj", "down")).targets == ("q_proj", "v_proj", "down_proj")
-  assert LoraConfig(targets=("all-linear",)).targets == LORA_TARGETS
+  assert LoraConfig(targets=("all-linear",)).targets == PROJECTIONS
   assert LoraConfig(rank=8, alpha=16).scale == 2.0
   for kw, key in [({"rank": 0}, "model.lora.rank"), ({"rank": 2.5}, "model.lora.rank"),
                   ({"alpha": -1.0}, "model.lora.alpha"), ({"alpha": float("nan")}, "model.lora.alpha"),
@@ -94,7 +94,7 @@ def test_adapters_start_at_the_base_and_merge_exactly(family):
   model = add_adapters(base, LORA)
   assert has_adapters(model) and not has_adapters(base)
   adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
-  assert len(adapters) == 2 * len(LORA_TARGETS)
+  assert len(adapters) == 2 * len(PROJECTIONS)
   for path, var in adapters.items():
     assert isinstance(var, nnx.LoRAParam) and var.get_value().dtype == jnp.float32
     if path[-1] == "lora_b":

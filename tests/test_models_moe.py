@@ -216,9 +216,7 @@ def test_config_checks_in_code():
   with pytest.raises(ValueError, match="num_experts=4 needs an MoE model_type"):
     QwenConfig(**{**base, "model_type": "qwen3"})
   from rft_jax.models.lora import LoraConfig
-  with pytest.raises(ValueError, match=r"LoRA targets \['gate_proj', 'up_proj', 'down_proj'\]"):
-    QwenConfig(**base, lora=LoraConfig(rank=2))
-  QwenConfig(**base, lora=LoraConfig(rank=2, targets=("q_proj", "v_proj")))
+  QwenConfig(**base, lora=LoraConfig(rank=2, targets=("q_proj", "v_proj", "gate_proj", "router")))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,9 +27,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-# The projections an adapter may target, by their module names (also peft's / verl's names).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = "all-linear"  # verl's and peft's spelling of every projection
+# The projections an adapter may target, by their module names (also peft's / verl's names);
+# on a mixture-of-experts model gate/up/down are every expert's (and the shared expert's), and
+# ``router`` its router (Qwen3-MoE's ``mlp.gate``).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROUTER = "router"
+LORA_TARGETS = PROJECTIONS + (ROUTER,)
+ALL_LINEAR = "all-linear"  # verl's and peft's spelling of every projection (not the router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +44,15 @@ class LoraConfig:
     rank: r, the adapters' inner width (``A: [in, r]``, ``B: [r, out]``).
     alpha: the update's scale is ``alpha / rank`` (peft's ``lora_alpha``).
     targets: the projections that get an adapter, among :data:`LORA_TARGETS` (short forms ``q``,
-      ``k``, ``v``, ``o``, ``gate``, ``up``, ``down`` and ``all-linear`` accepted); default: all
-      of them.
+      ``k``, ``v``, ``o``, ``gate``, ``up``, ``down`` and ``all-linear``, the seven, accepted);
+      default: the seven projections. On a mixture-of-experts model ``gate``, ``up`` and
+      ``down`` adapt every expert (an adapter each) and ``router`` its router; a dense model
+      refuses ``router``.
   """
 
   rank: int = 16
   alpha: float = 32.0
-  targets: tuple[str, ...] = LORA_TARGETS
+  targets: tuple[str, ...] = PROJECTIONS
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -59,9 +65,9 @@ class LoraConfig:
     names = []
     for target in targets:
       if target == ALL_LINEAR:
-        names += LORA_TARGETS
+        names += PROJECTIONS
         continue
-      name = target if str(target).endswith("_proj") else f"{target}_proj"
+      name = target if str(target).endswith("_proj") or target == ROUTER else f"{target}_proj"
       if name not in LORA_TARGETS:
         raise ValueError(f"model.lora.targets: {target!r} is not one of {list(LORA_TARGETS)} "
                          f"(or q, k, v, o, gate, up, down, {ALL_LINEAR})")
@@ -78,8 +84,41 @@ class LoraConfig:
 
 
 def adapter_name(projection: str) -> str:
-  """The attribute of ``projection``'s adapter: ``q_proj`` -> ``q_lora``."""
+  """The attribute of ``projection``'s adapter: ``q_proj`` -> ``q_lora``, ``router`` ->
+  ``router_lora``."""
   return projection.removesuffix("_proj") + "_lora"
+
+
+def merge_adapter(w: Array, a: Float[Array, "... I r"], b: Float[Array, "... r O"], scale: float) -> Array:
+  r""":math:`W + \mathrm{scale}\, A B` (``A B`` over the last two axes, any leading ones: layers,
+  experts; reshaped to ``W``'s shape), summed in float32 and stored in ``W``'s dtype: the one
+  arithmetic of every merge (:func:`rft_jax.models.lora_model.merged`, and the experts' and the
+  router's adapters in the forward, :class:`rft_jax.models.moe.MoE`)."""
+  delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
+  return (w.astype(jnp.float32) + scale * delta.reshape(w.shape)).astype(w.dtype)
+
+
+class ExpertAdapters(nnx.Module):
+  """LoRA adapters of stacked experts ``W [E, in, out]``: ``lora_a [E, in, r]`` (He-uniform per
+  expert) and ``lora_b [E, r, out]`` (zeros), float32 :class:`flax.nnx.LoRAParam`, with the
+  experts' logical axes (``experts``, then ``in_axis`` / ``out_axis``)."""
+
+  def __init__(self, experts: int, in_features: int, rank: int, out_features: int, in_axis: str,
+               out_axis: str, *, rngs: nnx.Rngs):
+    init = nnx.initializers.he_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    self.lora_a = nnx.LoRAParam(init(rngs.params(), (experts, in_features, rank), jnp.float32),
+                                out_sharding=("experts", in_axis, None), eager_sharding=False)
+    self.lora_b = nnx.LoRAParam(jnp.zeros((experts, rank, out_features), jnp.float32),
+                                out_sharding=("experts", None, out_axis), eager_sharding=False)
+
+
+def expert_adapters(lora: LoraConfig | None, projection: str, experts: int, in_features: int,
+                    out_features: int, in_axis: str, out_axis: str, *, rngs: nnx.Rngs
+                    ) -> ExpertAdapters | None:
+  """The experts' adapters of ``projection`` when ``lora`` targets it, else None."""
+  if lora is None or projection not in lora.targets:
+    return None
+  return ExpertAdapters(experts, in_features, lora.rank, out_features, in_axis, out_axis, rngs=rngs)
 
 
 def projection_adapter(lora: LoraConfig | None, projection: str, in_features: int,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from rft_jax.models.lora import LoraConfig, adapter_name
+from rft_jax.models.lora import ROUTER, LoraConfig, adapter_name, merge_adapter
 from rft_jax.models.model import Qwen
 from rft_jax.parallel.multihost import global_array
 from rft_jax.parallel.sharding import DEFAULT_RULES, Rules, state_shardings
@@ -68,28 +68,35 @@ def add_adapters(model: Qwen, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | N
 
 def adapted_weights(config) -> dict[Path, tuple[Path, Path]]:
   """Each weight an adapter targets (its path in the model's state) -> the paths of its
-  adapter's ``A`` and ``B`` (``config.lora``'s targets)."""
+  adapter's ``A`` and ``B`` (``config.lora``'s targets). On a mixture-of-experts model the
+  feed-forward targets are the stacked experts' weights (and the shared expert's, Qwen2-MoE),
+  ``router`` the router's."""
   owners = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
-            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", ROUTER: "mlp"}
   out = {}
   for target in config.lora.targets:
     owner = ("layers", owners[target])
     adapter = owner + (adapter_name(target),)
-    out[owner + (target,)] = (adapter + ("lora_a",), adapter + ("lora_b",))
+    weight = target
+    if config.is_moe and target != ROUTER and owners[target] == "mlp":
+      weight = "expert_" + target.removesuffix("_proj")
+      if config.shared_expert_intermediate_size:
+        shared = owner + ("shared_expert",)
+        out[shared + (target,)] = (shared + (adapter_name(target), "lora_a"),
+                                   shared + (adapter_name(target), "lora_b"))
+    out[owner + (weight,)] = (adapter + ("lora_a",), adapter + ("lora_b",))
   return out
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _merged_weights(weights: dict, adapters: dict, scale: float, shardings: tuple) -> dict:
-  """``W + scale * A @ B`` for stacked ``W [L, ...]`` (``[L, in..., out...]`` flattened to
-  ``[L, in, out]`` as the adapter's ``A [L, in, r]``, ``B [L, r, out]``), in ``W``'s dtype and
-  laid out as ``shardings`` says (``(path, NamedSharding)`` pairs; absent: as XLA chooses)."""
+  """:func:`~rft_jax.models.lora.merge_adapter` of each stacked ``W [L, ...]`` with its adapter's
+  ``A [L, (E,) in, r]``, ``B [L, (E,) r, out]``, laid out as ``shardings`` says (``(path,
+  NamedSharding)`` pairs; absent: as XLA chooses)."""
   shardings = dict(shardings)
   out = {}
   for path, w in weights.items():
-    a, b = adapters[path]
-    delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
-    out[path] = (w.astype(jnp.float32) + scale * delta.reshape(w.shape)).astype(w.dtype)
+    out[path] = merge_adapter(w, *adapters[path], scale)
     if path in shardings:
       out[path] = jax.lax.with_sharding_constraint(out[path], shardings[path])
   return out

@@ -33,6 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rft_jax.models.layers import MLP, normal_init, param
+from rft_jax.models.lora import ROUTER, expert_adapters, merge_adapter, projection_adapter
 from rft_jax.models.expert_tiles import tiled_experts
 
 
@@ -231,20 +232,39 @@ class MoE(nnx.Module):
     self.expert_down = param(normal_init, rngs.params(), (e, i, d), c.param_dtype,
                              ("experts", "expert_mlp", "embed"))
     shared = c.shared_expert_intermediate_size
-    self.shared_expert = (MLP(d, shared, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+    self.shared_expert = (MLP(d, shared, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs, lora=c.lora)
                           if shared else None)
     if shared:
       self.shared_expert_gate = param(normal_init, rngs.params(), (d,), c.param_dtype, ("embed",))
+    # LoRA (rft_jax.models.lora): an adapter per expert of the targeted projections, and the
+    # router's; None where not targeted.
+    self.lora_scale = None if c.lora is None else c.lora.scale
+    self.gate_lora, self.up_lora, self.down_lora = (
+        expert_adapters(c.lora, f"{name}_proj", e, n_in, n_out, in_axis, out_axis, rngs=rngs)
+        for name, n_in, n_out, in_axis, out_axis in (("gate", d, i, "embed", "expert_mlp"),
+                                                     ("up", d, i, "embed", "expert_mlp"),
+                                                     ("down", i, d, "expert_mlp", "embed")))
+    self.router_lora = projection_adapter(c.lora, ROUTER, d, e, "embed", "router", dtype=c.dtype, rngs=rngs)
 
   def expert_weights(self) -> ExpertWeights:
-    """The block's arrays as stored (:func:`sparse_block` casts them)."""
+    """The block's arrays as stored (:func:`sparse_block` casts them); with LoRA adapters, each
+    targeted weight merged with its adapter (:func:`~rft_jax.models.lora.merge_adapter`, as
+    :func:`~rft_jax.models.lora_model.merged` merges them for the sampler: the same weights).
+    The gradients reach the adapters through the merge; the merged copy of a layer's experts
+    lives while the layer runs."""
+    def weight(module, name, adapter):
+      w = getattr(module, name)[...]
+      lora = getattr(module, adapter, None)
+      return w if lora is None else merge_adapter(w, lora.lora_a[...], lora.lora_b[...], self.lora_scale)
+
     shared = {}
     if self.shared_expert is not None:
       s = self.shared_expert
-      shared = dict(shared_gate=s.gate_proj[...], shared_up=s.up_proj[...],
-                    shared_down=s.down_proj[...], shared_expert_gate=self.shared_expert_gate[...])
-    return ExpertWeights(router=self.router[...], gate=self.expert_gate[...],
-                         up=self.expert_up[...], down=self.expert_down[...], **shared)
+      shared = dict(shared_gate=weight(s, "gate_proj", "gate_lora"), shared_up=weight(s, "up_proj", "up_lora"),
+                    shared_down=weight(s, "down_proj", "down_lora"), shared_expert_gate=self.shared_expert_gate[...])
+    return ExpertWeights(router=weight(self, "router", "router_lora"), gate=weight(self, "expert_gate", "gate_lora"),
+                         up=weight(self, "expert_up", "up_lora"), down=weight(self, "expert_down", "down_lora"),
+                         **shared)
 
   def __call__(self, x: Float[Array, "B T D"], expert_ids: Int[Array, "B T k"] | None = None,
                *, vmappable: bool = False, platform: str | None = None

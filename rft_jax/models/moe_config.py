@@ -120,6 +120,9 @@ def check_moe(config) -> None:
     if config.num_experts:
       raise ValueError(f"QwenConfig: num_experts={config.num_experts} needs an MoE model_type "
                        f"({', '.join(MOE_MODEL_TYPES)}), not {config.model_type!r}")
+    if config.lora is not None and "router" in config.lora.targets:
+      raise ValueError(f"model.lora.targets: 'router' on a dense model ({config.model_type!r} has no "
+                       "router); target its projections")
     return
   if config.num_experts < 1 or config.moe_intermediate_size < 1:
     raise ValueError(f"QwenConfig: model_type {config.model_type!r} needs num_experts >= 1 "
@@ -137,9 +140,4 @@ def check_moe(config) -> None:
     raise ValueError(f"QwenConfig: shared_expert_intermediate_size="
                      f"{config.shared_expert_intermediate_size}: qwen2_moe has one shared expert "
                      "(a positive size), qwen3_moe none (0)")
-  if config.lora is not None:
-    experts = [t for t in config.lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
-    if experts:
-      raise ValueError(f"QwenConfig: LoRA targets {experts} on an MoE model: adapters on the "
-                       "experts are not implemented; target the attention projections "
-                       "(model.lora.targets: [q_proj, k_proj, v_proj, o_proj])")
+
