@@ -48,7 +48,7 @@ def test_expert_product_rule():
   assert expert_product("cpu", differentiable=True) == "tiled"
   assert expert_product("gpu", differentiable=True) == "tiled"
   assert expert_product("gpu", differentiable=False) == "ragged"
-  assert [expert_product("tpu", differentiable=d) for d in (False, True)] == ["ragged", "ragged"]
+  assert [expert_product("tpu", differentiable=d) for d in (False, True)] == ["ragged", "gmm"]
 
 
 @pytest.mark.parametrize("n, tile, skewed", [(1, None, False), (5, 2, False), (40, 8, True), (64, 3, False)])
@@ -71,11 +71,11 @@ def test_differentiable_tiles_equal_the_ragged_product_and_its_gradients(n, tile
 
 
 def test_the_gpu_learners_expert_product_is_the_tiles_not_an_expanded_ragged_dot():
-  """On a GPU XLA expands ragged_dot into a [N k, E D] copy of the rows; the differentiated
-  form there (the learner's) is the tiles: its program has no dot over E D columns and a
-  jaxpr with no ragged_dot (traced for ``platform="gpu"`` on CPU)."""
+  """On a GPU XLA expands ragged_dot into a [N k, E D] copy of the rows, and a TPU's derivative
+  of it runs over every expert: the differentiated form (the learner's) has no ragged_dot on
+  any platform (the tiles on CPU and GPU, megablox's kernels on TPU; traced on CPU)."""
   x, ids, weights, gate, up, down = experts(32, num_experts=16)
-  for platform, ragged in (("gpu", False), ("tpu", True), ("cpu", False)):
+  for platform, ragged in (("gpu", False), ("tpu", False), ("cpu", False)):
     jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(grouped_experts(
         x, ids, weights, gate, up, down, platform=platform))))(x)
     assert ("ragged_dot" in str(jaxpr)) == ragged, platform
@@ -106,3 +106,24 @@ def test_differentiated_form_on_cpu_is_the_tiles():
                    argnums=(0, 1, 2, 3, 4))
   for got, want in zip(plain(x, weights, gate, up, down), tiles(x, weights, gate, up, down)):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n, skewed", [(5, False), (40, True), (64, False)])
+def test_megablox_kernels_equal_the_ragged_product_and_its_gradients(n, skewed):
+  """The TPU learner's product, megablox's gmm / tgmm in Pallas interpret mode: the ragged
+  product's values and gradients, with rows padded to the kernel's row tile (none at 64 x 2)."""
+  from rft_jax.models.expert_gmm import gmm_experts
+
+  x, ids, weights, gate, up, down = experts(n, skewed=skewed)
+
+  def loss(product, x, weights, gate, up, down):
+    return jnp.sum(jnp.sin(product(x, ids, weights, gate, up, down)))
+
+  kernels = functools.partial(gmm_experts, interpret=True, row_tile=8)
+  np.testing.assert_allclose(jax.jit(kernels)(x, ids, weights, gate, up, down),
+                             _grouped_experts(x, ids, weights, gate, up, down), rtol=2e-5, atol=2e-5)
+  got = jax.jit(jax.grad(lambda *a: loss(kernels, *a), argnums=(0, 1, 2, 3, 4)))(x, weights, gate, up, down)
+  want = jax.grad(lambda *a: loss(_grouped_experts, *a), argnums=(0, 1, 2, 3, 4))(x, weights, gate, up, down)
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert np.all(np.isfinite(a)), i
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"grad {i}")

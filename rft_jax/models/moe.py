@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from rft_jax.models.layers import MLP, normal_init, param
 from rft_jax.models.lora import ROUTER, expert_adapters, merge_adapter, projection_adapter
+from rft_jax.models.expert_gmm import gmm_experts
 from rft_jax.models.expert_tiles import tiled_experts
 
 
@@ -95,20 +96,26 @@ def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   """
   if vmappable:
     return _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down)
-  if expert_product(platform or jax.default_backend(), differentiable=True) == "tiled":
+  product = expert_product(platform or jax.default_backend(), differentiable=True)
+  if product == "tiled":
     return tiled_experts(x, expert_ids, weights, gate, up, down, differentiable=True)
+  if product == "gmm":
+    return gmm_experts(x, expert_ids, weights, gate, up, down)
   return _grouped_experts(x, expert_ids, weights, gate, up, down)
 
 
-EXPERT_PRODUCTS = ("ragged", "tiled")
+EXPERT_PRODUCTS = ("ragged", "tiled", "gmm")
 
 
 def expert_product(platform: str, differentiable: bool) -> str:
   """The expert product that does the least work on ``platform`` (``cpu``, ``gpu``, ``tpu``).
 
-  * ``ragged`` (:func:`jax.lax.ragged_dot`): on TPUs, whose compiler has a grouped product
-    (every assignment's rows once, the FLOPs of ``N k`` rows); on GPUs where nothing is
-    differentiated (the cache paths; unmeasured against the tiles).
+  * ``ragged`` (:func:`jax.lax.ragged_dot`): on TPUs where nothing is differentiated (their
+    compiler has a grouped forward product: the FLOPs of ``N k`` rows); on GPUs likewise (the
+    cache paths; unmeasured against the tiles).
+  * ``gmm`` (:func:`rft_jax.models.expert_gmm.gmm_experts`, megablox's Pallas kernels): on TPUs
+    where a derivative is taken, since the TPU compiler's derivative of ``ragged_dot`` with
+    respect to the weights runs over all ``E`` experts.
   * ``tiled`` (:func:`rft_jax.models.expert_tiles.tiled_experts`): on CPUs, and on GPUs where a
     derivative is taken (the full forward the learner differentiates): XLA's CPU and GPU
     backends expand ``ragged_dot`` over all ``E`` experts (on a GPU a ``[N k, E D]`` copy of
@@ -117,7 +124,7 @@ def expert_product(platform: str, differentiable: bool) -> str:
     picks its form (the map over every possible tile, or the loop over those that exist).
   """
   if platform == "tpu":
-    return "ragged"
+    return "gmm" if differentiable else "ragged"
   return "tiled" if platform == "cpu" or differentiable else "ragged"
 
 

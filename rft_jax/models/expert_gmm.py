@@ -1,0 +1,60 @@
+r"""The routed experts' products on TPUs where they are differentiated: megablox's grouped matmul.
+
+The TPU compiler has a grouped product for :func:`jax.lax.ragged_dot`'s forward, but its
+derivative with respect to the experts' weights (a product whose contracted rows are grouped)
+runs over every expert: 80 TFLOP where the rows need 1.9 for one layer of Qwen3-30B-A3B at
+8,192 tokens, top-8 (deviceless v5p, ``python benchmarks/speed/moe_expert_products.py``). jax
+ships the Pallas TPU kernels of megablox (``jax.experimental.pallas.ops.tpu.megablox``):
+``gmm`` (grouped rows times their group's matrix) with a ``custom_vjp`` whose weight gradient is
+``tgmm`` (each group's rows transposed times their cotangents), both over the rows each group
+has. :func:`gmm_experts` is :func:`rft_jax.models.moe.grouped_experts`'s sorted-rows form with
+``gmm`` for the three products; ``interpret=True`` runs the kernels on any backend (the CPU
+tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+ROW_TILE = 128  # rows per kernel tile; the sorted rows are padded to a multiple of it
+
+
+def _tile(width: int, most: int = 128) -> int:
+  """The kernel's tile of a ``width``-wide axis: the largest power of two up to ``most`` that
+  divides it (128 for Qwen3-MoE's 2,048 / 768)."""
+  return math.gcd(width, most)
+
+
+def gmm_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"], weights: Float[Array, "N k"],
+                gate: Float[Array, "E D I"], up: Float[Array, "E D I"], down: Float[Array, "E I D"], *,
+                interpret: bool = False, row_tile: int = ROW_TILE) -> Float[Array, "N D"]:
+  r""":math:`\sum_j w_j E_{e_j}(x)` for every token, dropless, each projection one ``gmm`` over the
+  assignments sorted by expert (padded with zero rows to a multiple of ``row_tile``, which no
+  group covers and which are dropped after the last product). Products in ``x.dtype``;
+  differentiable (megablox's ``custom_vjp``)."""
+  from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas TPU: imported when used
+
+  n, k = expert_ids.shape
+  num_experts, d, i = gate.shape
+  a = n * k
+  dtype = x.dtype
+  flat = expert_ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
+  pad = -a % row_tile
+  rows = jnp.pad(jnp.take(x, order // k, axis=0), ((0, pad), (0, 0)))  # [A + pad, D]
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], summing to A
+
+  def product(lhs, rhs):
+    tiling = (row_tile, _tile(lhs.shape[1]), _tile(rhs.shape[2]))
+    out = gmm(lhs, rhs.astype(dtype), sizes, dtype, tiling, interpret=interpret)
+    # The padding rows belong to no group: the kernel leaves them unwritten; zero them.
+    return jnp.where(jnp.arange(lhs.shape[0])[:, None] < a, out, 0)
+
+  h = jax.nn.silu(product(rows, gate)) * product(rows, up)
+  y = product(h, down)[:a]  # [A, D], sorted
+  y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in assignment order
+  return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights.astype(dtype))
