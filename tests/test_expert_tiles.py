@@ -47,7 +47,7 @@ def test_expert_product_rule():
   assert expert_product("cpu", differentiable=False) == "tiled"
   assert expert_product("cpu", differentiable=True) == "tiled"
   assert expert_product("gpu", differentiable=True) == "tiled"
-  assert expert_product("gpu", differentiable=False) == "ragged"
+  assert expert_product("gpu", differentiable=False) == "tiled"
   assert [expert_product("tpu", differentiable=d) for d in (False, True)] == ["ragged", "gmm"]
 
 
@@ -127,3 +127,17 @@ def test_megablox_kernels_equal_the_ragged_product_and_its_gradients(n, skewed):
   for i, (a, b) in enumerate(zip(got, want)):
     assert np.all(np.isfinite(a)), i
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"grad {i}")
+
+
+def test_the_cache_form_runs_long_prompts_in_chunks(monkeypatch):
+  """A prefill of more assignments than CACHE_PATH_ASSIGNMENTS runs in token chunks (the last one
+  padded): the same outputs as one product."""
+  from rft_jax.models import moe
+
+  x, ids, weights, gate, up, down = experts(37, skewed=True)
+  want = _grouped_experts(x, ids, weights, gate, up, down)
+  monkeypatch.setattr(moe, "CACHE_PATH_ASSIGNMENTS", 16)  # 8 tokens a chunk at k = 2: 5 chunks
+  jaxpr = str(jax.make_jaxpr(lambda *a: grouped_experts(*a, vmappable=True))(x, ids, weights, gate, up, down))
+  assert "length=5" in jaxpr.replace(" ", "")
+  got = jax.jit(lambda *a: grouped_experts(*a, vmappable=True))(x, ids, weights, gate, up, down)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

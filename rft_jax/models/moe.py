@@ -111,21 +111,23 @@ def expert_product(platform: str, differentiable: bool) -> str:
   """The expert product that does the least work on ``platform`` (``cpu``, ``gpu``, ``tpu``).
 
   * ``ragged`` (:func:`jax.lax.ragged_dot`): on TPUs where nothing is differentiated (their
-    compiler has a grouped forward product: the FLOPs of ``N k`` rows); on GPUs likewise (the
-    cache paths; unmeasured against the tiles).
+    compiler has a grouped forward product: the FLOPs of ``N k`` rows).
   * ``gmm`` (:func:`rft_jax.models.expert_gmm.gmm_experts`, megablox's Pallas kernels): on TPUs
     where a derivative is taken, since the TPU compiler's derivative of ``ragged_dot`` with
     respect to the weights runs over all ``E`` experts.
-  * ``tiled`` (:func:`rft_jax.models.expert_tiles.tiled_experts`): on CPUs, and on GPUs where a
-    derivative is taken (the full forward the learner differentiates): XLA's CPU and GPU
-    backends expand ``ragged_dot`` over all ``E`` experts (on a GPU a ``[N k, E D]`` copy of
-    the rows: 32 GiB a layer at 8 x 8,192 assignments of Qwen3-30B-A3B), where the tiles
-    compute ``N k`` rows plus at most one part-filled tile per expert. ``differentiable``
+  * ``tiled`` (:func:`rft_jax.models.expert_tiles.tiled_experts`): on CPUs and GPUs: XLA's CPU
+    and GPU backends expand ``ragged_dot`` over all ``E`` experts (on a GPU a ``[N k, E D]``
+    copy of the rows: 32 GiB a layer at 8 x 8,192 assignments of Qwen3-30B-A3B), where the
+    tiles compute ``N k`` rows plus at most one part-filled tile per expert. ``differentiable``
     picks its form (the map over every possible tile, or the loop over those that exist).
+
+  The cache paths (no derivative) run on the default backend's product (they see no mesh:
+  a plan compiled deviceless on a CPU host runs the tiles there), in chunks of
+  :data:`CACHE_PATH_ASSIGNMENTS` assignments.
   """
   if platform == "tpu":
     return "gmm" if differentiable else "ragged"
-  return "tiled" if platform == "cpu" or differentiable else "ragged"
+  return "tiled"
 
 
 def _grouped_experts(x, expert_ids, weights, gate, up, down):
@@ -148,7 +150,22 @@ def _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down):
   return _undifferentiated_experts(x, expert_ids, weights, gate, up, down)
 
 
+# The most assignments (tokens x k) one expert product of the cache paths takes at once: a
+# prompt's prefill runs in chunks of this many, so its sorted rows and outputs stay 128 MiB at
+# Qwen3-30B-A3B's width in bfloat16 (its sampler's prefill of 64 prompts of 1,024 tokens held
+# 2 GiB of them per layer, several layers' at once: deviceless h100:8).
+CACHE_PATH_ASSIGNMENTS = 32_768
+
+
 def _undifferentiated_experts(x, expert_ids, weights, gate, up, down):
+  n, k = expert_ids.shape
+  chunk = max(1, CACHE_PATH_ASSIGNMENTS // k)
+  if n > chunk:  # tokens in chunks; the padding tokens (expert 0, weight 0) are dropped
+    pad = -n % chunk
+    parts = [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+             for a in (x, expert_ids, weights)]
+    y = jax.lax.map(lambda c: _undifferentiated_experts(*c, gate, up, down), tuple(parts))
+    return y.reshape(-1, x.shape[-1])[:n]
   if expert_product(jax.default_backend(), differentiable=False) == "tiled":
     return tiled_experts(x, expert_ids, weights, gate, up, down)
   return _grouped_experts(x, expert_ids, weights, gate, up, down)
