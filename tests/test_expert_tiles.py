@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rft_jax.models.moe import _grouped_experts, expert_product, grouped_experts
+from rft_jax.models.moe import _grouped_experts, differentiable_product, expert_product, grouped_experts
 from rft_jax.models.expert_tiles import tile_rows, tiled_experts
 
 
@@ -76,8 +76,8 @@ def test_the_gpu_learners_expert_product_is_the_tiles_not_an_expanded_ragged_dot
   any platform (the tiles on CPU and GPU, megablox's kernels on TPU; traced on CPU)."""
   x, ids, weights, gate, up, down = experts(32, num_experts=16)
   for platform, ragged in (("gpu", False), ("tpu", False), ("cpu", False)):
-    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(grouped_experts(
-        x, ids, weights, gate, up, down, platform=platform))))(x)
+    product = differentiable_product(platform)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(product(x, ids, weights, gate, up, down))))(x)
     assert ("ragged_dot" in str(jaxpr)) == ragged, platform
 
 
@@ -141,3 +141,35 @@ def test_the_cache_form_runs_long_prompts_in_chunks(monkeypatch):
   assert "length=5" in jaxpr.replace(" ", "")
   got = jax.jit(lambda *a: grouped_experts(*a, vmappable=True))(x, ids, weights, gate, up, down)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("product", ["tiles", "gmm"])
+@pytest.mark.parametrize("data, model", [(2, 4), (1, 8)])
+def test_expert_parallel_products_equal_one_device(product, data, model):
+  """On the fake 8-device mesh, each ``model`` device computing only its own experts' rows and a
+  sum over ``model``: the one-device product's values and gradients (tokens, routing weights,
+  the three stacked weights), for the tiles and megablox's kernels (interpret mode)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from rft_jax.models.expert_gmm import gmm_experts
+  from rft_jax.models.expert_parallel import expert_parallel
+  from rft_jax.parallel import make_mesh
+
+  mesh = make_mesh(data, model)
+  fn = (functools.partial(tiled_experts, differentiable=True) if product == "tiles"
+        else functools.partial(gmm_experts, interpret=True, row_tile=8))
+  x, ids, weights, gate, up, down = experts(24, num_experts=8, k=2, skewed=True)
+
+  def loss(parallel, x, weights, gate, up, down):
+    y = (expert_parallel(fn, x, ids, weights, gate, up, down, mesh=mesh) if parallel
+         else fn(x, ids, weights, gate, up, down))
+    return jnp.sum(jnp.sin(y)), y
+
+  placed = [jax.device_put(a, NamedSharding(mesh, P("model"))) for a in (gate, up, down)]
+  (_, got), got_grads = jax.jit(jax.value_and_grad(lambda *a: loss(True, *a), argnums=(0, 1, 2, 3, 4),
+                                                   has_aux=True))(x, weights, *placed)
+  (_, want), want_grads = jax.value_and_grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3, 4),
+                                             has_aux=True)(x, weights, gate, up, down)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"grad {i}")

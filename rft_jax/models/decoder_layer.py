@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.attention import Attention, attend, attend_cache
@@ -45,27 +46,27 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x: Float[Array, "B T D"], rope: Rope, valid: Bool[Array, "B T"],
                attention: SelfAttention, expert_ids: Int[Array, "B T k"] | None = None, *,
-               return_routing: bool = False, platform: str | None = None
+               return_routing: bool = False, mesh: Mesh | None = None
                ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"], Routing]:
     """One layer, causal self-attention within ``x`` (``valid``: the real tokens; ``rope``:
     :meth:`Qwen.rope` of the tokens' positions, shared by the layers). An MoE layer routes by
     ``expert_ids`` when given (replay) and, with ``return_routing``, returns its
-    :class:`~rft_jax.models.moe.Routing` too: ``(x, routing)``; ``platform``: the devices' (the
-    expert product's choice; None: the default backend's)."""
+    :class:`~rft_jax.models.moe.Routing` too: ``(x, routing)``; ``mesh``: the mesh the arrays
+    live on (the MoE block's expert parallelism and product; None: one device)."""
     q, k, v = self.attn.qkv(self.input_layernorm(x), rope)
     x = x + self.attn.out(attention(q, k, v, valid))
-    y, routing = self.feed_forward(self.post_attention_layernorm(x), expert_ids, platform=platform)
+    y, routing = self.feed_forward(self.post_attention_layernorm(x), expert_ids, mesh=mesh)
     return (x + y, routing) if return_routing else x + y
 
   def feed_forward(self, h: Float[Array, "B T D"], expert_ids: Int[Array, "B T k"] | None = None,
-                   *, decoding: bool = False, platform: str | None = None
+                   *, decoding: bool = False, mesh: Mesh | None = None
                    ) -> tuple[Float[Array, "B T D"], Routing | None]:
     """The MLP or MoE block on the normed residual ``h``: ``(y, routing)``, routing None for
     a dense layer (which takes no ``expert_ids``). ``decoding``: the cache paths' MoE form,
     which ``jax.vmap`` takes and ``jax.grad`` does not
     (:func:`~rft_jax.models.moe.grouped_experts`)."""
     if isinstance(self.mlp, MoE):
-      return self.mlp(h, expert_ids, vmappable=decoding, platform=platform)
+      return self.mlp(h, expert_ids, vmappable=decoding, mesh=mesh)
     if expert_ids is not None:
       raise ValueError("DecoderLayer: expert_ids given to a dense layer (no experts)")
     return self.mlp(h), None

@@ -34,8 +34,9 @@ def gmm_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"], weights: 
                 interpret: bool = False, row_tile: int = ROW_TILE) -> Float[Array, "N D"]:
   r""":math:`\sum_j w_j E_{e_j}(x)` for every token, dropless, each projection one ``gmm`` over the
   assignments sorted by expert (padded with zero rows to a multiple of ``row_tile``, which no
-  group covers and which are dropped after the last product). Products in ``x.dtype``;
-  differentiable (megablox's ``custom_vjp``)."""
+  group covers and which are dropped after the last product). An id of ``E`` or more is no
+  expert's: it adds nothing (:mod:`rft_jax.models.expert_parallel`'s other devices' experts).
+  Products in ``x.dtype``; differentiable (megablox's ``custom_vjp``)."""
   from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas TPU: imported when used
 
   n, k = expert_ids.shape
@@ -48,11 +49,16 @@ def gmm_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"], weights: 
   rows = jnp.pad(jnp.take(x, order // k, axis=0), ((0, pad), (0, 0)))  # [A + pad, D]
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], summing to A
 
+  grouped = jnp.sum(sizes)  # A, or fewer: ids past the experts (expert parallelism) are no group's
+
   def product(lhs, rhs):
     tiling = (row_tile, _tile(lhs.shape[1]), _tile(rhs.shape[2]))
-    out = gmm(lhs, rhs.astype(dtype), sizes, dtype, tiling, interpret=interpret)
-    # The padding rows belong to no group: the kernel leaves them unwritten; zero them.
-    return jnp.where(jnp.arange(lhs.shape[0])[:, None] < a, out, 0)
+    # Rows of no group (padding; ids past the experts, sorted last) are left unwritten by the
+    # kernel, forward and backward: select zeros there on both sides (a select, not a product,
+    # so the unwritten values reach nothing, not even as 0 x NaN).
+    valid = jnp.arange(lhs.shape[0])[:, None] < grouped
+    out = gmm(jnp.where(valid, lhs, 0), rhs.astype(dtype), sizes, dtype, tiling, interpret=interpret)
+    return jnp.where(valid, out, 0)
 
   h = jax.nn.silu(product(rows, gate)) * product(rows, up)
   y = product(h, down)[:a]  # [A, D], sorted

@@ -57,6 +57,9 @@ def tiled_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
     differentiable: the map over every possible tile (reverse-mode differentiable), not the
       loop over the tiles that exist.
 
+  An id of ``E`` or more is no expert's: sorted last and in no tile, it adds nothing
+  (:mod:`rft_jax.models.expert_parallel` gives other devices' experts such ids).
+
   Returns:
     ``[N, D]`` in ``x.dtype``, equal to the ragged form's to rounding (products in ``x.dtype``,
     each assignment scaled by its weight before the sum over ``k``).

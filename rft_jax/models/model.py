@@ -112,12 +112,11 @@ class Qwen(nnx.Module):
     graphdef, state = nnx.split(self.layers)
     rope = self.rope(positions)
     attention = self.self_attention(mesh)
-    platform = next(iter(mesh.devices.flat)).platform if mesh is not None else jax.default_backend()
 
     def body(x, inputs):
       layer_state, ids = inputs
       out = nnx.merge(graphdef, layer_state)(x, rope, valid, attention, ids,
-                                             return_routing=return_routing, platform=platform)
+                                             return_routing=return_routing, mesh=mesh)
       return out if return_routing else (out, None)
 
     if self.config.remat:

@@ -25,16 +25,20 @@ and routing metrics.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.custom_batching
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from rft_jax.models.layers import MLP, normal_init, param
 from rft_jax.models.lora import ROUTER, expert_adapters, merge_adapter, projection_adapter
 from rft_jax.models.expert_gmm import gmm_experts
+from rft_jax.models.expert_parallel import expert_parallel, is_expert_parallel
 from rft_jax.models.expert_tiles import tiled_experts
 
 
@@ -78,7 +82,7 @@ def route(router_logits: Float[Array, "N E"], k: int, norm_topk_prob: bool,
 def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
                     weights: Float[Array, "N k"], gate: Float[Array, "E D I"],
                     up: Float[Array, "E D I"], down: Float[Array, "E I D"], *,
-                    vmappable: bool = False, platform: str | None = None) -> Float[Array, "N D"]:
+                    vmappable: bool = False, mesh: Mesh | None = None) -> Float[Array, "N D"]:
   r""":math:`\sum_j w_j E_{e_j}(x)` for every token, dropless, with grouped products.
 
   The ``N k`` assignments are sorted by expert (stable), each expert's rows multiplied by its
@@ -91,20 +95,29 @@ def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   (tokens are independent). It has no derivative (``custom_vmap``): the full forward, which the
   learner differentiates, runs the plain form.
 
-  The product: :func:`expert_product` of ``platform`` (the devices'; None: the default
-  backend's; the cache form always the default backend's).
+  The product: :func:`expert_product` of ``mesh``'s platform (None: the default backend's; the
+  cache form always the default backend's). On a mesh whose ``model`` axis divides the experts,
+  each of its devices runs the product on its own experts (:func:`rft_jax.models.
+  expert_parallel.expert_parallel`).
   """
   if vmappable:
     return _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down)
-  product = expert_product(platform or jax.default_backend(), differentiable=True)
-  if product == "tiled":
-    return tiled_experts(x, expert_ids, weights, gate, up, down, differentiable=True)
-  if product == "gmm":
-    return gmm_experts(x, expert_ids, weights, gate, up, down)
-  return _grouped_experts(x, expert_ids, weights, gate, up, down)
+  product = differentiable_product(next(iter(mesh.devices.flat)).platform if mesh is not None
+                                   else jax.default_backend())
+  if is_expert_parallel(mesh, gate.shape[0]):
+    return expert_parallel(product, x, expert_ids, weights, gate, up, down, mesh=mesh)
+  return product(x, expert_ids, weights, gate, up, down)
 
 
 EXPERT_PRODUCTS = ("ragged", "tiled", "gmm")
+
+
+def differentiable_product(platform: str):
+  """The full forward's expert product on ``platform`` (:func:`expert_product`, differentiable),
+  as a function of ``(x, expert_ids, weights, gate, up, down)``."""
+  if expert_product(platform, differentiable=True) == "tiled":
+    return functools.partial(tiled_experts, differentiable=True)
+  return gmm_experts
 
 
 def expert_product(platform: str, differentiable: bool) -> str:
@@ -212,7 +225,7 @@ class ExpertWeights:
 
 def sparse_block(x: Float[Array, "N D"], w: ExpertWeights, k: int, norm_topk_prob: bool,
                  expert_ids: Int[Array, "N k"] | None = None, *, vmappable: bool = False,
-                 platform: str | None = None) -> tuple[Float[Array, "N D"], Routing]:
+                 mesh: Mesh | None = None) -> tuple[Float[Array, "N D"], Routing]:
   r"""The sparse block on ``x`` (the normed residual, in the compute dtype): the router's
   logits :math:`x W_r` (accumulated in float32), :func:`route` (top-k, or ``expert_ids``),
   :func:`grouped_experts` (``vmappable``: its cache-path form), plus the gated shared expert
@@ -224,7 +237,7 @@ def sparse_block(x: Float[Array, "N D"], w: ExpertWeights, k: int, norm_topk_pro
   dtype = x.dtype
   logits = jnp.einsum("nd,de->ne", x, w.router.astype(dtype), preferred_element_type=jnp.float32)
   weights, ids = route(logits, k, norm_topk_prob, expert_ids)
-  y = grouped_experts(x, ids, weights, w.gate, w.up, w.down, vmappable=vmappable, platform=platform)
+  y = grouped_experts(x, ids, weights, w.gate, w.up, w.down, vmappable=vmappable, mesh=mesh)
   if w.shared_gate is not None:
     h = (jax.nn.silu(x @ w.shared_gate.astype(dtype)) * (x @ w.shared_up.astype(dtype))
          ) @ w.shared_down.astype(dtype)
@@ -291,16 +304,16 @@ class MoE(nnx.Module):
                          **shared)
 
   def __call__(self, x: Float[Array, "B T D"], expert_ids: Int[Array, "B T k"] | None = None,
-               *, vmappable: bool = False, platform: str | None = None
+               *, vmappable: bool = False, mesh: Mesh | None = None
                ) -> tuple[Float[Array, "B T D"], Routing]:
     """The block on ``x`` (the post-attention normed residual), routed by its own top-k or by
     ``expert_ids`` (replay); returns the output and the :class:`Routing` (``[B, T, ...]``).
     ``vmappable``: the cache paths' form (:func:`grouped_experts`), without a derivative;
-    ``platform``: the devices' (the expert product's choice)."""
+    ``mesh``: the mesh the arrays live on (expert parallelism, the product's platform)."""
     shape = x.shape
     ids = None if expert_ids is None else expert_ids.reshape(-1, self.k)
     y, routing = sparse_block(x.astype(self.dtype).reshape(-1, shape[-1]), self.expert_weights(),
-                              self.k, self.norm_topk_prob, ids, vmappable=vmappable, platform=platform)
+                              self.k, self.norm_topk_prob, ids, vmappable=vmappable, mesh=mesh)
     return y.reshape(shape), jax.tree.map(lambda a: a.reshape(*shape[:-1], -1), routing)
 
 
