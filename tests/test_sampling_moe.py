@@ -112,3 +112,18 @@ def test_the_accelerator_programs_record_what_the_cpu_programs_do(program, monke
   np.testing.assert_allclose(on_gpu.logprobs, on_cpu.logprobs, atol=1e-5)
   np.testing.assert_array_equal(np.sort(on_gpu.completion_expert_ids, -1), np.sort(on_cpu.completion_expert_ids, -1))
   np.testing.assert_array_equal(np.sort(on_gpu.prompt_expert_ids, -1), np.sort(on_cpu.prompt_expert_ids, -1))
+
+
+@pytest.mark.parametrize("program", ["static", "continuous", "paged"])
+def test_record_routing_off_records_nothing_and_samples_the_same(program):
+  """``sampling.record_routing: false`` (the evaluation's rollouts): no expert ids, the same
+  completions and log-probabilities as the recording program."""
+  model = tiny_moe()
+  recorded = generate(model, PROMPTS, PROGRAMS[program], seed=5)
+  plain = generate(model, PROMPTS, dataclasses.replace(PROGRAMS[program], record_routing=False), seed=5)
+  assert recorded.completion_expert_ids is not None
+  assert plain.completion_expert_ids is None and plain.prompt_expert_ids is None
+  np.testing.assert_array_equal(plain.completion_ids, recorded.completion_ids)
+  np.testing.assert_allclose(plain.logprobs, recorded.logprobs, atol=1e-6)
+  with pytest.raises(ValueError, match=r"^sampling.record_routing='no' must be true or false$"):
+    SamplingParams(record_routing="no")

@@ -220,7 +220,7 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   step_layers = layers if platform == "gpu" else None  # see loop.py: GPUs slice layers once
   kernels = None if on_cpu else fused_decode.decode_kernels_kind(
       model.config, platform, loop.devices_of(mesh), spec.slots[0])  # the dense cache's step
-  routed = routing_record.records_routing(model)
+  routed = routing_record.records_routing(model, spec)
   logits, prompt_cache, prompt_routing = routing_record.prefill(
       model, prompt_ids, prompt_mask, prompt_cache, mesh=mesh, layers=layers, routed=routed)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
@@ -289,8 +289,8 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
       out = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
                                       live=s.running, **routing_record.asked(routed))  # stopped slots skip attention
       vocab_axis = 0
-    elif routed:  # the fused kernels decline MoE: the model's own step, with its routing
-      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, return_routing=True)
+    elif model.config.is_moe:  # the fused kernels decline MoE: the model's own step
+      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, **routing_record.asked(routed))
       vocab_axis = 1
     else:
       out = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)

@@ -132,6 +132,7 @@ class DecodeSpec:
     stop_token_ids: tokens that end a row.
     strategy: greedy or not, truncation or not.
     cache_dtype: the KV cache's dtype (None: the model's compute dtype).
+    record_routing: an MoE model's program records its routing (``SamplingParams``).
   """
 
   n: int
@@ -139,13 +140,15 @@ class DecodeSpec:
   stop_token_ids: tuple[int, ...]
   strategy: Strategy
   cache_dtype: jnp.dtype | None = None
+  record_routing: bool = True
 
   @staticmethod
   def fields_of(params: SamplingParams, cache_dtype=None) -> dict:
     """The fields above, from the sampler parameters."""
     return dict(n=params.n, max_new_tokens=params.max_new_tokens,
                 stop_token_ids=params.stop_token_ids, strategy=Strategy.of(params),
-                cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype))
+                cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+                record_routing=params.record_routing)
 
   def is_stop(self, tokens: Int[Array, "..."]) -> Bool[Array, "..."]:
     """Whether each token ends its row."""
@@ -221,7 +224,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   # (QwenConfig.decode_kernels, rft_jax.models.fused_decode); CPUs decode feature-major.
   kernels = None if on_cpu else fused_decode.decode_kernels_kind(model.config, platform,
                                                                  devices_of(mesh), b * n)
-  routed = routing_record.records_routing(model)
+  routed = routing_record.records_routing(model, spec)
   logits, prompt_cache, prompt_routing = routing_record.prefill(
       model, prompt_ids, prompt_mask, prompt_cache, mesh=mesh, layers=layers, routed=routed)
   weights = feature_major.decode_weights(model, layers) if on_cpu else None
@@ -255,8 +258,8 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       out = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
                                       live=~s.done, **routing_record.asked(routed))  # done rows skip attention
       vocab_axis = 0
-    elif routed:  # the fused kernels decline MoE: the model's own step, with its routing
-      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, return_routing=True)
+    elif model.config.is_moe:  # the fused kernels decline MoE: the model's own step
+      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, **routing_record.asked(routed))
       vocab_axis = 1
     else:
       out = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)

@@ -92,6 +92,11 @@ class SamplingParams:
       elsewhere), ``xla``, ``pallas_gpu``, ``pallas_tpu``, ``pallas_tpu_megacore`` (the TPU
       kernel over both TensorCores of a v4 or v5p chip; opt-in, not yet run on one). The same
       samples to the kernels' rounding.
+    record_routing: a mixture-of-experts model's rollouts record the experts each token ran
+      through (``Rollouts.prompt_expert_ids`` / ``completion_expert_ids``: what
+      ``learner.routing_replay`` replays and the ``router/routing_mismatch`` metric compares);
+      False: nothing recorded (the evaluation's rollouts, whose routing nothing reads). A
+      dense model records nothing either way.
   """
 
   n: int = 1
@@ -109,6 +114,7 @@ class SamplingParams:
   kv_pages: int | None = None
   page_size: int = 16
   paged_attention: str = "auto"
+  record_routing: bool = True
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -122,6 +128,8 @@ class SamplingParams:
     _check_int("min_segment_tokens", self.min_segment_tokens, minimum=1)
     _check_int("pool_stages", self.pool_stages, minimum=1)
     _check_int("page_size", self.page_size, minimum=1)
+    if not isinstance(self.record_routing, bool):
+      raise ValueError(f"sampling.record_routing={self.record_routing!r} must be true or false")
     if self.paged_attention not in PAGED_ATTENTION_KINDS:
       raise ValueError(f"sampling.paged_attention={self.paged_attention!r} is not one of "
                        f"{list(PAGED_ATTENTION_KINDS)}")

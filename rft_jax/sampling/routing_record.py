@@ -19,9 +19,10 @@ from jaxtyping import Array, Bool, Int
 from rft_jax.sampling.rollouts import compact_expert_ids
 
 
-def records_routing(model) -> bool:
-  """Whether the sampler records ``model``'s routing (an MoE model's)."""
-  return bool(getattr(model.config, "is_moe", False))
+def records_routing(model, spec) -> bool:
+  """Whether the sampler records ``model``'s routing: an MoE model's, unless ``spec`` (a
+  ``DecodeSpec``) says not to (``SamplingParams.record_routing``)."""
+  return bool(getattr(model.config, "is_moe", False)) and spec.record_routing
 
 
 def empty_record(config, rows: int, columns: int) -> Array:

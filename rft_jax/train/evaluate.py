@@ -43,7 +43,7 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
   finish reason)."""
   prompts, too_long = tokenize_prompts(problems, prompt_fn, max_prompt_len)
   params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                          stop_token_ids=stop_ids,
+                          stop_token_ids=stop_ids, record_routing=False,  # nothing reads it here
                           max_rollouts_per_call=(None if max_rollouts_per_call is None
                                                  else max(max_rollouts_per_call, k)))
   correct, lengths, entropy_sum, entropy_count, records = [], [], 0.0, 0.0, []
