@@ -284,18 +284,11 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
       out = model.paged_decode_step(s.last_tokens, s.cache, s.running,
                                     layers=layers if on_cpu else step_layers,
                                     kind=paged_kind, mesh=mesh, **routing_record.asked(routed))
-      vocab_axis = 1
-    elif on_cpu:  # weight-first products, [V, S] logits (see rft_jax.models.feature_major)
-      out = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
-                                      live=s.running, **routing_record.asked(routed))  # stopped slots skip attention
-      vocab_axis = 0
-    elif model.config.is_moe:  # the fused kernels decline MoE: the model's own step
-      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, **routing_record.asked(routed))
-      vocab_axis = 1
-    else:
-      out = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
-      vocab_axis = 1
-    logits, cache, fed_ids = routing_record.split_step(out, routed)
+      (logits, cache, fed_ids), vocab_axis = routing_record.split_step(out, routed), 1
+    else:  # stopped slots skip attention
+      (logits, cache, fed_ids), vocab_axis = loop.dense_cache_step(
+          model, s.last_tokens, s.cache, s.running, weights=weights, attention=attention,
+          step_layers=step_layers, kernels=kernels, routed=routed)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     if spec.kv_pages is None:
       cache = constrain(cache, pool_axes, mesh, rules)

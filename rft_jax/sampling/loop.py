@@ -254,17 +254,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   loop = _record(loop, tokens, logp, spec.is_stop(tokens))
 
   def body(s: LoopState) -> LoopState:
-    if on_cpu:  # weight-first products, [V, B] logits (see rft_jax.models.feature_major)
-      out = feature_major.decode_step(model, weights, s.last_tokens, s.cache, attention,
-                                      live=~s.done, **routing_record.asked(routed))  # done rows skip attention
-      vocab_axis = 0
-    elif model.config.is_moe:  # the fused kernels decline MoE: the model's own step
-      out = model.decode_step(s.last_tokens, s.cache, layers=step_layers, **routing_record.asked(routed))
-      vocab_axis = 1
-    else:
-      out = fused_decode.decode_step(model, s.last_tokens, s.cache, step_layers, kernels)
-      vocab_axis = 1
-    logits, cache, fed_ids = routing_record.split_step(out, routed)
+    (logits, cache, fed_ids), vocab_axis = dense_cache_step(
+        model, s.last_tokens, s.cache, ~s.done, weights=weights, attention=attention,
+        step_layers=step_layers, kernels=kernels, routed=routed)  # done rows skip attention
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     s = s.replace(cache=constrain(cache, axes, mesh, rules))
@@ -291,6 +283,25 @@ CPU_COMPILER_OPTIONS = ({} if "xla_backend_optimization_level" in os.environ.get
                         else {"xla_backend_optimization_level": 2})
 sample_loop_cpu = jax.jit(_sample_loop, static_argnames=_STATIC,
                           compiler_options=CPU_COMPILER_OPTIONS)
+
+
+def dense_cache_step(model, tokens: Int[Array, "R"], cache: KVCache, live: Bool[Array, "R"], *, weights,
+                     attention, step_layers, kernels, routed: bool):
+  """One decode step on a dense (unpaged) cache, as the static and continuous programs take it:
+  ``((logits, cache, fed expert ids or None), vocab_axis)``. On CPU (``weights`` given) the
+  weight-first step of :mod:`rft_jax.models.feature_major` (``[V, R]`` logits; rows not
+  ``live`` skip attention); on an accelerator the fused kernels' step
+  (:func:`rft_jax.models.fused_decode.decode_step`, ``kernels``), or the model's own for a
+  mixture of experts, which the fused kernels decline (``[R, V]`` logits)."""
+  if weights is not None:
+    out = feature_major.decode_step(model, weights, tokens, cache, attention, live=live,
+                                    **routing_record.asked(routed))
+    return routing_record.split_step(out, routed), 0
+  if model.config.is_moe:
+    out = model.decode_step(tokens, cache, layers=step_layers, **routing_record.asked(routed))
+  else:
+    out = fused_decode.decode_step(model, tokens, cache, step_layers, kernels)
+  return routing_record.split_step(out, routed), 1
 
 
 def layer_indices(num_layers: int) -> tuple[np.int32, ...]:
