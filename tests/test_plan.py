@@ -220,6 +220,15 @@ def test_a_program_the_compiler_refuses_for_memory_is_reported_as_not_fitting():
   assert report["fits"] is False and report["compiler_refused"] == message
   assert report["temp_bytes"] == int(52.22 * GiB) and report["total_bytes"] == report["temp_bytes"] + GiB
 
+  smem = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. "
+          "Used 1.00M of 1.00M smem. Exceeded smem capacity by 4.1K.")  # a paged-attention page table
+
+  def refused_smem():
+    raise jax.errors.JaxRuntimeError(smem + "\n  details")
+
+  report = _compiled_memory(refused_smem, hbm=16 * GiB, resident=GiB)
+  assert report["fits"] is False and report["compiler_refused"] == smem and report["temp_bytes"] == 0
+
   def broken():
     raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 

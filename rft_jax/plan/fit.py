@@ -60,17 +60,18 @@ def _bytes_per_device(tree) -> int:
 def _compiled_memory(compile_program: Callable[[], Any], hbm: int, resident: int = 0
                      ) -> dict[str, Any]:
   """:func:`_memory` of ``compile_program()``; where the compiler refuses the program for its
-  memory (the TPU compiler does when the temporaries alone exceed the device), the temporaries
-  it names, ``fits`` False and its one line in ``compiler_refused`` (arguments and outputs then
-  unknown, counted 0: the total is a lower bound)."""
+  memory (the TPU compiler does when the temporaries alone exceed the device, or a kernel's
+  operands its scalar memory), the temporaries it names (0 when it names none), ``fits`` False
+  and its one line in ``compiler_refused`` (arguments and outputs then unknown, counted 0: the
+  total is a lower bound)."""
   try:
     return _memory(compile_program(), hbm, resident)
   except jax.errors.JaxRuntimeError as exc:
     line = str(exc).splitlines()[0]
-    needed = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds", line)
-    if "RESOURCE_EXHAUSTED" not in line or needed is None:
+    if "RESOURCE_EXHAUSTED" not in line:
       raise
-    temp = int(float(needed.group(1)) * 1024 ** " KMGT".index(needed.group(2)))
+    needed = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds", line)
+    temp = 0 if needed is None else int(float(needed.group(1)) * 1024 ** " KMGT".index(needed.group(2)))
     return {"argument_bytes": 0, "output_bytes": 0, "alias_bytes": 0, "temp_bytes": temp,
             "resident_bytes": resident, "total_bytes": temp + resident, "fits": False,
             "compiler_refused": line}
