@@ -26,6 +26,7 @@ from rft_jax.models.attention_kernels import cudnn_self_attention, splash_self_a
 from rft_jax.models.config import ATTENTION_KINDS, QwenConfig
 from rft_jax.models.layers import RMSNorm, normal_init, param, rotate
 from rft_jax.models.lora import adapter_delta, projection_adapter
+from rft_jax.parallel.mesh import platform_of
 
 # Scores of masked keys. Finite, so a query that sees no key (a left-padding position) gets a
 # uniform (unused) distribution instead of NaN.
@@ -137,9 +138,7 @@ def causal_self_attention(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"]
   reference, blockwise and splash paths take them as they are; cuDNN's masks only padding, so
   packed rows run blockwise there.
   """
-  platform = (next(iter(mesh.devices.flat)).platform if mesh is not None
-              else jax.default_backend())
-  kind = attention_kind(kind, platform, q.dtype)
+  kind = attention_kind(kind, platform_of(mesh), q.dtype)
   if kind == "cudnn" and valid.dtype != jnp.bool_:
     kind = "blockwise"
   if kind == "reference":

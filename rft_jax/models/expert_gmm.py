@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from rft_jax.models.expert_tiles import in_assignment_order, sort_assignments
+
 ROW_TILE = 128  # rows per kernel tile; the sorted rows are padded to a multiple of it
 
 
@@ -40,15 +42,10 @@ def gmm_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"], weights: 
   from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas TPU: imported when used
 
   n, k = expert_ids.shape
-  num_experts, d, i = gate.shape
+  num_experts, d, _ = gate.shape
   a = n * k
   dtype = x.dtype
-  flat = expert_ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
-  pad = -a % row_tile
-  rows = jnp.pad(jnp.take(x, order // k, axis=0), ((0, pad), (0, 0)))  # [A + pad, D]
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], summing to A
-
+  order, rows, sizes = sort_assignments(x, expert_ids, num_experts, pad=-a % row_tile)  # rows [A + pad, D]
   grouped = jnp.sum(sizes)  # A, or fewer: ids past the experts (expert parallelism) are no group's
 
   def product(lhs, rhs):
@@ -61,6 +58,5 @@ def gmm_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"], weights: 
     return jnp.where(valid, out, 0)
 
   h = jax.nn.silu(product(rows, gate)) * product(rows, up)
-  y = product(h, down)[:a]  # [A, D], sorted
-  y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in assignment order
+  y = in_assignment_order(product(h, down)[:a], order)  # [A, D]
   return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights.astype(dtype))

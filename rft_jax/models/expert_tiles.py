@@ -28,11 +28,46 @@ expert_product` says which product runs where.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 MIN_TILE, MAX_TILE = 8, 256
+
+
+class SortedAssignments(NamedTuple):
+  """The ``A = N k`` assignments of tokens to experts sorted by expert, what every expert product
+  (the tiles, megablox's kernels, ``ragged_dot``) runs on.
+
+  Attributes:
+    order: ``[A]`` sorted position -> assignment (``token * k + j``); stable.
+    rows: ``[A + pad, D]`` the assignments' token rows in that order, then ``pad`` zero rows.
+    sizes: ``[E]`` each expert's assignments; an id of ``E`` or more is counted nowhere and
+      sorted last (:mod:`rft_jax.models.expert_parallel` gives other devices' experts such ids).
+  """
+
+  order: Int[Array, "A"]
+  rows: Float[Array, "P D"]
+  sizes: Int[Array, "E"]
+
+
+def sort_assignments(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"], num_experts: int,
+                     pad: int = 0) -> SortedAssignments:
+  """:class:`SortedAssignments` of ``expert_ids`` over ``num_experts`` experts."""
+  k = expert_ids.shape[1]
+  flat = expert_ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = jnp.take(x, order // k, axis=0)
+  if pad:
+    rows = jnp.pad(rows, ((0, pad), (0, 0)))
+  return SortedAssignments(order, rows, jnp.bincount(flat, length=num_experts).astype(jnp.int32))
+
+
+def in_assignment_order(y: Float[Array, "A D"], order: Int[Array, "A"]) -> Float[Array, "A D"]:
+  """Sorted rows ``y`` put back in assignment order (``order``: :class:`SortedAssignments`'s)."""
+  return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
 
 
 def tile_rows(assignments: int, num_experts: int) -> int:
@@ -70,11 +105,8 @@ def tiled_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   tile = tile or tile_rows(a, num_experts)
   dtype = x.dtype
   gate, up, down = (w.astype(dtype) for w in (gate, up, down))
-  flat = expert_ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
-  rows = jnp.pad(jnp.take(x, order // k, axis=0), ((0, tile), (0, 0)))  # [A + tile, D]
+  order, rows, sizes = sort_assignments(x, expert_ids, num_experts, pad=tile)  # rows [A + tile, D]
   scale = jnp.pad(weights.reshape(-1)[order].astype(dtype), (0, tile))  # [A + tile]
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
   starts = jnp.cumsum(sizes) - sizes
   tiles = (sizes + tile - 1) // tile
   tiles_end = jnp.cumsum(tiles)  # [E], tile t belongs to the first expert whose end exceeds t
@@ -104,5 +136,4 @@ def tiled_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
           out, jax.lax.dynamic_slice_in_dim(out, s, tile) + tile_output(expert[i], s, count[i]), s, 0)
 
     out = jax.lax.fori_loop(0, tiles_end[-1], one_tile, jnp.zeros((a + tile, d), dtype))[:a]
-  y = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in assignment order
-  return y.reshape(n, k, d).sum(axis=1)
+  return in_assignment_order(out, order).reshape(n, k, d).sum(axis=1)

@@ -39,7 +39,8 @@ from rft_jax.models.layers import MLP, normal_init, param
 from rft_jax.models.lora import ROUTER, expert_adapters, merge_adapter, projection_adapter
 from rft_jax.models.expert_gmm import gmm_experts
 from rft_jax.models.expert_parallel import expert_parallel, is_expert_parallel
-from rft_jax.models.expert_tiles import tiled_experts
+from rft_jax.models.expert_tiles import in_assignment_order, sort_assignments, tiled_experts
+from rft_jax.parallel.mesh import platform_of
 
 
 @flax.struct.dataclass
@@ -102,14 +103,10 @@ def grouped_experts(x: Float[Array, "N D"], expert_ids: Int[Array, "N k"],
   """
   if vmappable:
     return _vmappable_grouped_experts(x, expert_ids, weights, gate, up, down)
-  product = differentiable_product(next(iter(mesh.devices.flat)).platform if mesh is not None
-                                   else jax.default_backend())
+  product = differentiable_product(platform_of(mesh))
   if is_expert_parallel(mesh, gate.shape[0]):
     return expert_parallel(product, x, expert_ids, weights, gate, up, down, mesh=mesh)
   return product(x, expert_ids, weights, gate, up, down)
-
-
-EXPERT_PRODUCTS = ("ragged", "tiled", "gmm")
 
 
 def differentiable_product(platform: str):
@@ -145,16 +142,11 @@ def expert_product(platform: str, differentiable: bool) -> str:
 
 def _grouped_experts(x, expert_ids, weights, gate, up, down):
   n, k = expert_ids.shape
-  num_experts = gate.shape[0]
-  flat = expert_ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
-  rows = jnp.take(x, order // k, axis=0)  # [N k, D], grouped by expert
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+  order, rows, sizes = sort_assignments(x, expert_ids, gate.shape[0])  # rows [N k, D] by expert
   dtype = x.dtype
   g = jax.lax.ragged_dot(rows, gate.astype(dtype), sizes)
   u = jax.lax.ragged_dot(rows, up.astype(dtype), sizes)
-  y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down.astype(dtype), sizes)  # [N k, D]
-  y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in assignment order
+  y = in_assignment_order(jax.lax.ragged_dot(jax.nn.silu(g) * u, down.astype(dtype), sizes), order)
   return jnp.einsum("nkd,nk->nd", y.reshape(n, k, -1), weights.astype(dtype))
 
 

@@ -21,6 +21,17 @@ def axis_if_divides(mesh: Mesh, size: int, axis: str = MODEL_AXIS) -> str | None
   return axis if size % dict(mesh.shape).get(axis, 1) == 0 else None
 
 
+def first_device(mesh: Mesh | None) -> jax.Device:
+  """The first device of ``mesh`` (without one: of the default devices)."""
+  return next(iter(mesh.devices.flat if mesh is not None else jax.devices()))
+
+
+def platform_of(mesh: Mesh | None) -> str:
+  """``cpu``, ``gpu`` or ``tpu``: the platform of ``mesh``'s devices (else the default ones),
+  what the programs and kernels choose their forms by."""
+  return first_device(mesh).platform
+
+
 def make_mesh(data: int | None = None, model: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``data x model`` mesh over ``devices`` (default: all of ``jax.devices()``).

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rft_jax.models.lora_model import has_adapters, merged
 from rft_jax.parallel import global_array, with_shardings
-from rft_jax.rl.optimizer import OptimizerConfig, make_optimizer, optimizer_shardings
+from rft_jax.rl.optimizer import OptimizerConfig, make_optimizer, moment_dtype, optimizer_shardings
 
 
 @flax.struct.dataclass
@@ -60,7 +60,7 @@ class ModelTrainer:
     self.optimizer, self.schedule = make_optimizer(optim)
     # moment_dtype float32 beside bfloat16 parameters: the optimizer's arithmetic in float32, so
     # the micro-batches' gradients are summed in float32 too (else a bfloat16 running sum).
-    self.accumulate_dtype = None if optim.moment_dtype == "auto" else jnp.dtype(optim.moment_dtype)
+    self.accumulate_dtype = moment_dtype(optim)
     self.lora = has_adapters(model)  # train the LoRA adapters only
 
   # ---------------------------------------------------------------------------------------

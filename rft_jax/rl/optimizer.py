@@ -80,6 +80,11 @@ def optimizer_config(value, prefix: str) -> OptimizerConfig:
   return optim
 
 
+def moment_dtype(config: OptimizerConfig):
+  """The dtype ``config.moment_dtype`` names, or None for ``auto`` (the parameters')."""
+  return None if config.moment_dtype == "auto" else jnp.dtype(config.moment_dtype)
+
+
 def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW (betas b1, b2, epsilon, decoupled weight decay) with optional global-norm clipping;
   its moments in ``config.moment_dtype`` (:func:`moments_in`)."""
@@ -91,7 +96,7 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
   else:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.lr, max(config.warmup_steps, 1), max(config.total_steps, config.warmup_steps + 1))
-  mu_dtype = None if config.moment_dtype == "auto" else jnp.dtype(config.moment_dtype)
+  mu_dtype = moment_dtype(config)
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.adam_eps,
                       weight_decay=config.weight_decay, mu_dtype=mu_dtype)
   if mu_dtype is not None:

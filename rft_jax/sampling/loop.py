@@ -38,7 +38,8 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rft_jax.models import cpu_attention, feature_major, fused_decode
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.parallel import TP_RULES, Rules, state_shardings, tree_shardings
+from rft_jax.parallel import TP_RULES, Rules, first_device, state_shardings, tree_shardings
+from rft_jax.parallel import platform_of as parallel_platform_of
 from rft_jax.sampling import routing_record
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling.params import SamplingParams
@@ -350,8 +351,9 @@ def cpu_attention_for(cache: KVCache, mesh: Mesh | None):
 
 
 def platform_of(mesh: Mesh | None) -> str:
-  """``cpu``, ``gpu`` or ``tpu``: the platform of ``mesh``'s devices (else the default ones)."""
-  return _first_device(mesh).platform
+  """:func:`rft_jax.parallel.platform_of`, looked up here (tests set it to compile another
+  platform's program on CPU)."""
+  return parallel_platform_of(mesh)
 
 
 def devices_of(mesh: Mesh | None) -> int:
@@ -361,11 +363,7 @@ def devices_of(mesh: Mesh | None) -> int:
 
 def device_kind_of(mesh: Mesh | None) -> str:
   """The ``device_kind`` of ``mesh``'s devices (else the default ones), e.g. ``TPU v5``."""
-  return _first_device(mesh).device_kind
-
-
-def _first_device(mesh: Mesh | None):
-  return next(iter(mesh.devices.flat if mesh is not None else jax.devices()))
+  return first_device(mesh).device_kind
 
 
 def _grow(cache: KVCache, slots: int, repeats: int) -> KVCache:
