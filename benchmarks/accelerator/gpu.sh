@@ -50,7 +50,8 @@ gpu_test_files=(
   tests/test_decode_attention.py tests/test_decode_projections.py
   tests/test_attention_kernels.py tests/test_models_forward.py
   tests/test_models_cache.py tests/test_models_hf_io.py tests/test_lora.py tests/test_gspo.py
-  tests/test_rollout_correction.py tests/test_token_stats.py tests/test_entropy_theory.py
+  tests/test_rollout_correction.py tests/test_token_stats.py tests/test_token_stats_precision.py
+  tests/test_entropy_theory.py
   tests/test_entropy_methods.py tests/test_entropy_target.py tests/test_rl_losses.py
   tests/test_clipping.py tests/test_cov_methods.py tests/test_token_methods.py tests/test_critic.py
   tests/test_gae.py tests/test_forking_tokens.py tests/test_reference_policy.py

@@ -2,7 +2,8 @@
 
 Nothing here imports the rest of the project. See ``discriminator`` (H, S, E_p[S]),
 ``dynamics`` (Theorems 1-2, Lemma 1, Corollary 4), ``token_stats`` (the chunked
-per-token pass the learner uses) and ``clipping`` (the Clip_B / Clip_V masks).
+per-token pass the learner uses), ``vocab_sum`` (its sums over the vocabulary, whose float32
+error does not grow with the vocabulary) and ``clipping`` (the Clip_B / Clip_V masks).
 """
 
 from rft_jax.entropy.clipping import clip_b_mask

@@ -19,8 +19,16 @@ unembedding; a ``jax.checkpoint`` keeps only ``[chunk]``-sized residuals (the ar
 log-normaliser and entropy), so training memory is :math:`O(\text{chunk} \times V)` as
 well. A ``jax.custom_jvp`` rather than a ``custom_vjp`` because forward mode is used too
 (the learner's exact first-order entropy change is a ``jax.jvp`` through this). When all
-positions fit in one chunk (and with ``chunk_size=None``, the reference) JAX differentiates
-the plain computation and the backward pass keeps that one block's logits.
+positions fit in one chunk, that chunk's closed form runs without the checkpoint (its backward
+keeps the block's residuals rather than recompute the product); with ``chunk_size=None`` (the
+reference) JAX differentiates the same formulas itself.
+
+Both paths compute the same float32 formulas (:func:`_chunk_forward`): every sum over the
+vocabulary, forward and in the derivative, is :func:`rft_jax.entropy.vocab_sum.vocab_sums`' blocked
+then pairwise sum, whose rounding error grows with the logarithm of the vocabulary rather than with
+the vocabulary, and :math:`H` and :math:`\log p_k` come out within a few ulps of themselves at any
+vocabulary (``tests/test_token_stats_precision.py`` holds every path to float64 at 64 to 151,936
+entries, and to no worse than verl's and TRL's float32 entropy).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float, Int
 
 from rft_jax.entropy.discriminator import probs_and_safe_log
+from rft_jax.entropy.vocab_sum import vocab_sum
+from rft_jax.entropy.vocab_sum import vocab_sums
 
 
 class TokenStats(NamedTuple):
@@ -56,33 +66,6 @@ class TokenStats(NamedTuple):
   def centered(self) -> Float[Array, "..."]:
     """:math:`S_* - \\mathbb{E}_p[S]`, the score of Theorem 2 and Clip_V."""
     return self.s_star - self.expected_s
-
-
-def _row_stats(logits: Float[Array, "V"], token: Int[Array, ""], entropy_grad: bool = False) -> TokenStats:
-  r"""Statistics of one position from its float32 (temperature-scaled) logits.
-
-  Written as row reductions so that no ``[V]``-sized intermediate needs to be stored
-  beside the logits (XLA fuses each into its reduction):
-  :math:`H = -\sum p \log p`, :math:`S_* = p_k (H + \log p_k)` and
-  :math:`\mathbb{E}_p[S] = H \sum_i p_i^2 + \sum_i p_i^2 \log p_i`. The normaliser
-  is the accurate ``log1p`` form of :func:`rft_jax.entropy.discriminator.log_softmax`.
-  """
-  top = jnp.argmax(logits)
-  is_top = jnp.arange(logits.shape[-1]) == top
-  # The top entry is 0 by construction, not by the subtraction: under jit XLA fuses z / T
-  # into z - z_top and may round the two operands differently (one ulp, ~2e-6 at |z| ~ 16),
-  # which would make log p_top > 0 and H < 0 at confident positions.
-  shifted = jnp.where(is_top, 0.0, logits - logits[top])
-  log_norm = jnp.log1p(jnp.sum(jnp.where(is_top, 0.0, jnp.exp(shifted))))
-  logp = shifted[token] - log_norm
-
-  log_p_all = shifted - log_norm
-  p, log_p = probs_and_safe_log(log_p_all if entropy_grad else jax.lax.stop_gradient(log_p_all))
-  h = -jnp.sum(p * log_p)
-  p, log_p, h_const = jax.lax.stop_gradient((p, log_p, h))
-  expected_s = h_const * jnp.sum(p * p) + jnp.sum(p * p * log_p)
-  p_k, log_p_k = probs_and_safe_log(jax.lax.stop_gradient(logp))
-  return TokenStats(logp=logp, entropy=h, s_star=p_k * (h_const + log_p_k), expected_s=expected_s)
 
 
 class _Static(NamedTuple):
@@ -120,18 +103,22 @@ def _scaled_logits(x, unembedding, temperature, dtype, product_dtype=None):
 def _shifted(z, is_top, z_top):
   r""":math:`s = z' - \max z'` with :math:`s_{top} = 0` exactly, clamped at :data:`_LOG_UNDERFLOW`.
 
-  The top entry is :math:`z' - z'` (see :func:`_row_stats`: XLA may fuse :math:`z / T` into
-  :math:`z - z_{top}` and round the two operands differently). No ``jnp.where`` with a constant:
+  The top entry is :math:`z' - z'`, 0 by construction rather than by the subtraction: under jit
+  XLA may fuse :math:`z / T` into :math:`z - z_{top}` and round the two operands differently (one
+  ulp, ~2e-6 at :math:`|z| \sim 16`), which would make :math:`\log p_{top} > 0` and :math:`H < 0`
+  at confident positions. No ``jnp.where`` with a constant:
   under differentiation, ``lax.map``'s partial evaluation would hoist the constant's ``[c, V]``
   broadcast out of the loop, and the loop would read it from memory.
   """
   return jnp.maximum(z - jnp.where(is_top, z, z_top[:, None]), _LOG_UNDERFLOW)
 
 
-def _chunk_forward(static: _Static, x, unembedding, tokens, temperature):
+def _chunk_forward(static: _Static, x, unembedding, tokens, temperature, fused: bool = True):
   r"""The statistics of one chunk, its logits :math:`z' = z / T` and ``(top, z_top, log_norm)``.
 
-  Two passes over the chunk's logits: the argmax and max, then one variadic reduction of the
+  Two passes over the chunk's logits: the argmax and max, then one pass of
+  :func:`rft_jax.entropy.vocab_sum.vocab_sums` (``fused``: one variadic reduction; otherwise
+  differentiable sums, for the reference that JAX differentiates) over terms of the
   shifted logits :math:`s_i = z'_i - \max_j z'_j` (:func:`_shifted`): the non-top mass
   :math:`\tau = \sum_{i \ne top} e^{s_i}`, :math:`m_1 = \sum_i e^{s_i} s_i`,
   :math:`\tau_2 = \sum_{i \ne top} e^{2 s_i}`, :math:`m_2 = \sum_i e^{2 s_i} s_i` and
@@ -145,8 +132,17 @@ def _chunk_forward(static: _Static, x, unembedding, tokens, temperature):
              \sum_i p_i^2 \log p_i = (m_2 - (1 + \tau_2) \log Z) / Z^2,
 
   :math:`\log p_k = s_k - \log Z`, :math:`S_* = p_k (H + \log p_k)` and
-  :math:`\mathbb{E}_p[S] = H \sum_i p_i^2 + \sum_i p_i^2 \log p_i`. Both terms of :math:`H`
-  are non-negative (no cancellation).
+  :math:`\mathbb{E}_p[S] = H \sum_i p_i^2 + \sum_i p_i^2 \log p_i`.
+
+  Why these are accurate in float32: :math:`s_i` and :math:`s_k` are exact given :math:`z'`
+  (one subtraction of nearby values, or 0 at the top), each term is one ``exp`` and at most two
+  products (a few ulps), the five sums' error is bounded by :mod:`rft_jax.entropy.vocab_sum`'s
+  :math:`\gamma_{b - 1 + \lceil \log_2 \lceil V / b \rceil \rceil}` of their absolute sums, whatever
+  :math:`V`, and both terms of :math:`H` are non-negative (no cancellation), so :math:`H` and
+  :math:`\log p_k` are good to a few ulps of themselves. The usual :math:`-\sum_i p_i \log p_i`
+  is not: :math:`\log p_i` carries an absolute error of a few ulps of :math:`|\log p_i|` (12 at
+  Qwen's vocabulary), which :math:`p_i = e^{\log p_i}` turns into a relative one
+  (``tests/test_token_stats_precision.py`` measures both).
   """
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   t = static.temperature if static.temperature is not None else temperature
@@ -158,12 +154,11 @@ def _chunk_forward(static: _Static, x, unembedding, tokens, temperature):
   e = jnp.exp(shifted)
   tail_e = e * jnp.logical_not(is_top).astype(dtype)
   sampled = (jnp.arange(z.shape[-1]) == tokens[:, None]).astype(dtype)
-  # One variadic reduction: each [c, V] term has the one reduction as its only user, so XLA
-  # fuses them all into it (on CPU too) and stores nothing but the logits. s_k is a masked
+  # Fused, one variadic reduction: each [c, V] term has it as its only user, so XLA fuses them
+  # all into it (on CPU too) and stores nothing [c, V]-sized but the logits. s_k is a masked
   # sum of the same pass (a gather would be one more read of the logits).
   terms = (tail_e, e * shifted, tail_e * tail_e, e * e * shifted, shifted * sampled)
-  tail, m1, tail2, m2, s_k = jax.lax.reduce(terms, tuple(jnp.zeros((), dtype) for _ in terms),
-                                            lambda a, b: tuple(u + w for u, w in zip(a, b)), (1,))
+  tail, m1, tail2, m2, s_k = vocab_sums(terms, fused=fused)
   log_norm = jnp.log1p(tail)
   norm = 1.0 + tail
   h = log_norm - m1 / norm
@@ -231,9 +226,9 @@ def _chunk_stats_jvp(static: _Static, primals, tangents):
   log_p = shifted - log_norm[:, None]
   p = jnp.exp(log_p)
   sampled = (jnp.arange(z.shape[-1]) == tokens[:, None]).astype(dtype)
-  d_logp = jnp.sum((sampled - p) * d_z, axis=-1)
+  d_logp = vocab_sum((sampled - p) * d_z)
   # log p is finite (clamped) where p = 0, so p (log p + H) = 0 there.
-  d_h = -jnp.sum(p * (log_p + h[:, None]) * d_z, axis=-1) if static.entropy_grad else jnp.zeros_like(h)
+  d_h = -vocab_sum(p * (log_p + h[:, None]) * d_z) if static.entropy_grad else jnp.zeros_like(h)
   zero = jnp.zeros_like(h)
   return stats, TokenStats(logp=d_logp, entropy=d_h, s_star=zero, expected_s=zero)
 
@@ -241,16 +236,31 @@ def _chunk_stats_jvp(static: _Static, primals, tangents):
 _chunk_stats.defjvp(_chunk_stats_jvp, symbolic_zeros=True)
 
 
+def _static(temperature, entropy_grad: bool, product_dtype) -> tuple[_Static, jax.Array | None]:
+  """The chunk's static part and its traced temperature (None when it is a Python number)."""
+  if isinstance(temperature, (int, float)):
+    return _Static(entropy_grad, float(temperature), product_dtype), None
+  temperature = jnp.asarray(temperature)
+  return _Static(entropy_grad, None, product_dtype), temperature.astype(jnp.promote_types(temperature.dtype, jnp.float32))
+
+
+def _reference_stats(flat_x, flat_t, unembedding, temperature, entropy_grad: bool, product_dtype) -> TokenStats:
+  """``chunk_size=None``: all positions as one chunk, differentiated by JAX (which keeps the
+  block's ``[n, V]`` intermediates for the backward pass), the reference of the closed form: the
+  chunk's formulas, with only ``logp`` (and ``entropy`` with ``entropy_grad``) carrying
+  derivatives."""
+  static, temperature = _static(temperature, entropy_grad, product_dtype)
+  stats = _chunk_forward(static, flat_x, unembedding, flat_t, temperature, fused=False)[0]
+  stop = jax.lax.stop_gradient
+  return TokenStats(logp=stats.logp, entropy=stats.entropy if entropy_grad else stop(stats.entropy),
+                    s_star=stop(stats.s_star), expected_s=stop(stats.expected_s))
+
+
 def _chunked_stats(flat_x, flat_t, unembedding, temperature, chunk_size: int, entropy_grad: bool,
                    product_dtype=None) -> TokenStats:
   """``flat_x [n, F]`` in ``n // chunk_size`` chunks scanned by ``lax.map`` (and a last,
   shorter one), each a :func:`_chunk_stats` call."""
-  if isinstance(temperature, (int, float)):
-    static, temperature = _Static(entropy_grad, float(temperature), product_dtype), None
-  else:
-    static = _Static(entropy_grad, None, product_dtype)
-    temperature = jnp.asarray(temperature)
-    temperature = temperature.astype(jnp.promote_types(temperature.dtype, jnp.float32))
+  static, temperature = _static(temperature, entropy_grad, product_dtype)
   # Differentiated, the backward pass keeps only the [c] values named _SAVED (and the inputs)
   # and recomputes the chunk's logits with one product: memory O(chunk x V) in both passes.
   chunk = jax.checkpoint(lambda x, t: _chunk_stats(static, x, unembedding, t, temperature),
@@ -316,17 +326,15 @@ def token_stats(
         f"token_stats: unembedding shape {unembedding.shape} does not match hidden "
         f"size {inputs.shape[-1]}"
     )
-  dtype = jnp.promote_types(inputs.dtype, jnp.float32)
   product_dtype = None if product_dtype is None else jnp.dtype(product_dtype)
-
-  def position_stats(x: Float[Array, "F"], token: Int[Array, ""]) -> TokenStats:
-    return _row_stats(_scaled_logits(x, unembedding, temperature, dtype, product_dtype), token, entropy_grad)
-
   flat_x = inputs.reshape(-1, inputs.shape[-1])
   flat_t = tokens.reshape(-1)
-  if chunk_size is None or flat_t.shape[0] <= chunk_size:
-    # One chunk (the reference): JAX differentiates _row_stats and keeps the one block of logits.
-    stats = jax.vmap(position_stats)(flat_x, flat_t)
+  if chunk_size is None:
+    stats = _reference_stats(flat_x, flat_t, unembedding, temperature, entropy_grad, product_dtype)
+  elif flat_t.shape[0] <= chunk_size:
+    # One chunk's closed form, its [n, V] residuals kept for the backward pass (no recomputation).
+    static, traced_temperature = _static(temperature, entropy_grad, product_dtype)
+    stats = _chunk_stats(static, flat_x, unembedding, flat_t, traced_temperature)
   else:
     # lax.map scans over chunks; each chunk's closed-form backward recomputes its logits
     # from [chunk] residuals, so neither pass ever holds more than one chunk of [., V].
