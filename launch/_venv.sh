@@ -1,6 +1,8 @@
 # Sourced by the set-up scripts: make sure ./.venv exists and holds rft_jax with the
 # given extras, reinstalling only when pyproject.toml (or the extras) changed.
-# Usage: source launch/_venv.sh [EXTRAS]     e.g.  source launch/_venv.sh test
+# Usage: source launch/_venv.sh EXTRAS     e.g.  source launch/_venv.sh test;  source launch/_venv.sh ""
+# Always pass EXTRAS ("" for none): sourced without arguments, this script sees the caller's own
+# arguments as its $1 and would install them as extras.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RFT_JAX_VENV:-$ROOT/.venv}"

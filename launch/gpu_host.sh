@@ -5,7 +5,8 @@
 # Installs jax with CUDA wheels into ./.venv the first time (RFT_JAX_JAX_SPEC overrides).
 set -euo pipefail
 CONFIG="${1:?usage: launch/gpu_host.sh CONFIG.yaml [key=value ...]}"; shift
-source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+# "" : no extras (sourced without arguments, _venv.sh would read this script's arguments as extras)
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" ""
 if ! python -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; then
   python -m pip install --quiet "${RFT_JAX_JAX_SPEC:-jax[cuda12]==0.10.2}"
 fi

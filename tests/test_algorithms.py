@@ -69,3 +69,22 @@ def test_a_new_estimator_is_one_registered_entry():
     del A.ALGORITHMS["centered_for_test"]
   with pytest.raises(ValueError, match=r"learner\.advantage='centered_for_test' is not one of"):
     LearnerConfig(advantage="centered_for_test")
+
+
+def test_rejection_is_refused_by_what_the_entry_says_not_by_its_name():
+  """``learner.rollout_correction.rejection`` is refused for an entry whose advantages would have to
+  be made over the kept tokens only (``takes_rejection=False``: PPO's GAE), whatever its name."""
+  assert [name for name, entry in A.ALGORITHMS.items() if not entry.takes_rejection] == ["gae"]
+  rejection = {"rejection": "token_k3", "rejection_bounds": "1"}
+
+  @dataclasses.dataclass(frozen=True)
+  class KeptTokensOnly(A.Algorithm):
+    takes_rejection: bool = False
+
+  A.register_algorithm(KeptTokensOnly("kept_tokens_only_for_test"))
+  try:
+    with pytest.raises(ValueError, match=r"rejection='token_k3' with learner\.advantage=kept_tokens_only_for_test"):
+      LearnerConfig(advantage="kept_tokens_only_for_test", rollout_correction=rejection)
+  finally:
+    del A.ALGORITHMS["kept_tokens_only_for_test"]
+  assert LearnerConfig(advantage="rloo", rollout_correction=rejection).rollout_correction.rejection == "token_k3"

@@ -95,6 +95,21 @@ def test_malformed_json_line_names_the_line(tmp_path):
     load_math_dataset(write(tmp_path, "e.jsonl", json.dumps(ROW) + "\n[1, 2]\n"))
 
 
+def test_a_json_line_cut_short_or_with_a_repeated_key_is_named_alone(tmp_path, capfd):
+  """A line whose closing brace is missing was reported at "column 1" (the newline's); a key
+  given twice as pyarrow's "Trailing data at position 32"; and ``datasets`` logged two lines of
+  its own before the error."""
+  capfd.readouterr()
+  cut = '{"question": "q", "answer": "2"'
+  with pytest.raises(DatasetError) as exc:
+    load_math_dataset(write(tmp_path, "d.jsonl", f"{json.dumps(ROW)}\n{cut}\n{json.dumps(ROW)}\n"))
+  assert str(exc.value) == (f"{tmp_path / 'd.jsonl'}: line 2 (row 1): not valid JSON (Expecting ',' delimiter "
+                            f"at column {len(cut) + 1}, the end of the line)")
+  with pytest.raises(DatasetError, match=r"e\.jsonl: line 2 \(row 1\): the key 'question' appears twice"):
+    load_math_dataset(write(tmp_path, "e.jsonl", json.dumps(ROW) + '\n{"question": "q", "answer": "1", "question": 3}\n'))
+  assert capfd.readouterr().err == ""  # the error is the one line; datasets says nothing of its own
+
+
 def test_a_file_with_no_usable_row_is_an_error_even_when_skipping(tmp_path):
   path = write(tmp_path, "d.jsonl", json.dumps({"question": "q", "answer": ""}) + "\n")
   with pytest.raises(DatasetError, match=r"d\.jsonl: none of its 1 rows has a question and an answer"):

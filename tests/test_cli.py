@@ -70,7 +70,9 @@ def test_train_help_lists_the_config_keys_with_their_defaults(capsys):
   out = capsys.readouterr().out
   for line in ("learner.optim.lr = 1e-06", "learner.entropy_mask.kind = 'none'", "rewards.scheme = 'binary'",
                "sampling.n = 16", "model.path = ''", "eval.sets[i].k = 8", "mesh.data = -1",
-               "data.system_prompt = null", "progress = true", "--print-config", "--dry-run"):
+               "data.system_prompt = null", "progress = true", "--print-config", "--dry-run",
+               # the keys of model.lora, a section that is null by default
+               "model.lora.rank = 16", "model.lora.alpha = 32.0", "model.lora.targets = ['q_proj', "):
     assert line in out, line
   assert len(config_keys()) > 60 and all(f"  {key} = " in out for key, _ in config_keys())
   assert "learner.objective = 'ppo'  (one of: ppo, gspo)" in out

@@ -189,3 +189,25 @@ def test_train_help_shows_the_allowed_values():
   text = format_config_keys()
   assert "  learner.objective = 'ppo'  (one of: " in text and "gspo" in text
   assert "  learner.entropy_mask.kind = 'none'  (one of: " in text
+
+
+def test_each_checkpoint_key_has_its_own_meaning():
+  """``keep_checkpoints`` once shared ``checkpoint_every``'s entry ("0: only at the end")."""
+  from rft_jax.train.config_reference import reference
+
+  meaning = {row.key: row.meaning for row in reference()}
+  assert "every this many steps" in meaning["checkpoint_every"]
+  assert "latest checkpoints to keep" in meaning["keep_checkpoints"]
+  assert "only at the end" not in meaning["keep_checkpoints"]
+
+
+def test_the_readme_says_what_plan_and_export_need():
+  """``rft-jax plan`` on a TPU topology needs libtpu and about 20 minutes on 2 cores; loading an
+  export in transformers needs torch, which rft_jax does not install: said where each is shown."""
+  lines = _read(os.path.join(ROOT, "README.md")).splitlines()
+  plan = next(i for i, line in enumerate(lines) if line.startswith("rft-jax plan "))
+  assert "[tpu]" in lines[plan - 1] and "20 minutes on 2 CPU cores" in lines[plan - 1]
+  assert "torch" in next(line for line in lines if line.startswith("rft-jax export "))
+  training = _read(os.path.join(DOCS, "training.md"))
+  export = next(p for p in training.split("\n- ") if p.startswith("`rft-jax export`"))
+  assert "needs torch" in export and "pip install torch" in export

@@ -73,7 +73,7 @@ def test_a_write_that_fails_ends_the_run_with_the_file_and_the_cause(setup, tmp_
 
   def full_after_first_step(self, event):
     calls.append(event.step)
-    if event.step >= 1:
+    if event.step >= 2:  # the second step's
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real(self, event)
 
@@ -82,7 +82,7 @@ def test_a_write_that_fails_ends_the_run_with_the_file_and_the_cause(setup, tmp_
   assert cli.main(args(setup, tmp_path / "tb", 4)) == 1
   err = capsys.readouterr().err
   assert f"cannot write {tmp_path / 'tb' / 'tensorboard'}: No space left on device" in err, err
-  assert time.time() - started < 120 and [r["step"] for r in read_metrics(str(tmp_path / "tb"))] == [0, 1]
+  assert time.time() - started < 120 and [r["step"] for r in read_metrics(str(tmp_path / "tb"))] == [1, 2]
 
   # a checkpoint saved in the background that fails is reported after the step in progress, in one
   # line naming the step, the directory and the OS error; it is never reported as saved
@@ -111,7 +111,7 @@ def test_a_write_that_fails_ends_the_run_with_the_file_and_the_cause(setup, tmp_
   assert err.splitlines()[-1] == (f"rft-jax train: error: cannot save step 2 to {tmp_path / 'ckpt' / 'checkpoints'}: "
                                   "No space left on device (errno 28)"), err
   assert "checkpoint of step 2 saved" not in err and "Traceback" not in err and "while stopping" not in err
-  assert [r["step"] for r in read_metrics(str(tmp_path / "ckpt"))] == [0, 1]  # step 2 ran, then it stopped
+  assert [r["step"] for r in read_metrics(str(tmp_path / "ckpt"))] == [1, 2]  # step 3 ran, then it stopped
   assert "RESOURCE_EXHAUSTED" in (tmp_path / "ckpt" / "debug.log").read_text()  # the details: in the debug log
 
 
@@ -213,11 +213,11 @@ def test_a_checkpoint_that_fails_on_a_full_disk_stops_the_run_and_it_resumes_exa
   assert "saving step 6" in debug and "Traceback" in debug and "No space left on device" in debug
   assert steps_of(copy) == [3] and not [p for p in (copy / "checkpoints").iterdir() if p.name.startswith("6")]
   failed = read_metrics(str(copy))
-  assert [r["step"] for r in failed] == [0, 1, 2, 3, 4, 5]
+  assert [r["step"] for r in failed] == [1, 2, 3, 4, 5, 6]
   assert cli.main(args(setup, copy, 8, *extra)) == 0  # the disk has room again (a copy of the run)
   assert f"resumed from step 3 of {copy}" in capsys.readouterr().err
   resumed = read_metrics(str(copy))
-  assert [r["step"] for r in resumed] == list(range(8))
+  assert [r["step"] for r in resumed] == list(range(1, 9))
   for before, after in zip(failed[3:], resumed[3:6]):
     for key in before:
       if key != "time" and not key.startswith("timing/"):
@@ -281,7 +281,7 @@ def test_no_resume_refuses_an_earlier_run_and_overwrite_replaces_it(setup, tmp_p
   assert steps_of(run) == [1, 2] and (run / "metrics.jsonl").read_text() == before
   events = set((run / "tensorboard").iterdir())
   assert cli.main([*cmd[:2], "--overwrite", *cmd[2:], "seed=5"]) == 0
-  assert steps_of(run) == [1] and [r["step"] for r in read_metrics(str(run))] == [0]
+  assert steps_of(run) == [1] and [r["step"] for r in read_metrics(str(run))] == [1]
   assert not events & set((run / "tensorboard").iterdir())
   assert "seed: 5" in (run / "config.yaml").read_text() and not list(run.glob("config.*.yaml"))
 
@@ -307,7 +307,8 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_and_are_never_saved(setup
   run = tmp_path / "nan"
   assert cli.main(args(setup, run, 6, f"model.path={nan_model}")) == 1
   err = capsys.readouterr().err
-  assert "steps 0-2: the loss or gradient norm was not finite 3 times in a row" in err, err
+  assert "steps 1-3: the loss or gradient norm was not finite 3 times in a row" in err, err
+  assert "the parameters are the starting ones" in err
   assert "could not save step 3 before stopping: not saving step 3" in err
   records = read_metrics(str(run))
   assert [r["actor/nonfinite_skipped"] for r in records] == [1.0, 1.0, 1.0]
@@ -378,7 +379,7 @@ def test_sigterm_finishes_the_step_saves_and_the_run_resumes(setup, tmp_path, ca
   assert f"stopped by SIGTERM after step {done}" in err and steps_of(run) == [done]
   assert cli.main(args(setup, run, done + 1)) == 0
   assert f"resumed from step {done} of {run}" in capsys.readouterr().err
-  assert [r["step"] for r in read_metrics(str(run))] == list(range(done + 1))
+  assert [r["step"] for r in read_metrics(str(run))] == list(range(1, done + 2))
 
 
 def test_a_second_signal_exits_at_once(setup, tmp_path):
@@ -403,7 +404,7 @@ def test_running_out_of_data_ends_with_a_checkpoint_and_a_message(setup, tmp_pat
   dropped = ("data: 7 training prompts x data.epochs=1 make 3 steps of data.prompts_per_step=2; the last 1 "
              "prompt(s), too few for another step, are dropped")
   assert out.err.count(dropped) == 1, out.err  # said once, not per step
-  assert "the training data ran out (data.epochs=1) before step 3" in out.err
+  assert "the training data ran out (data.epochs=1) after step 3" in out.err
   assert "stopped after 3 of 10 steps (the training data ran out)" in out.out
   assert steps_of(run) == [3] and len(read_metrics(str(run))) == 3
   assert read_metrics(str(run))[0]["data/dropped_prompts"] == 1
@@ -424,7 +425,7 @@ def test_an_evaluation_that_fails_leaves_a_checkpoint_of_the_steps_before_it(set
   run = tmp_path / "run"
   with pytest.raises(RuntimeError, match="vanished"):
     cli.main(args(setup, run, 4, "eval.every=2"))
-  assert steps_of(run) == [2] and [r["step"] for r in read_metrics(str(run))] == [0, 1]
+  assert steps_of(run) == [2] and [r["step"] for r in read_metrics(str(run))] == [1, 2]
 
 
 # --- 7. a resume says what it resumed and refuses a config that changes the run -----------------
@@ -456,20 +457,20 @@ def test_failing_reward_functions_are_counted_and_stop_the_run_before_it_trains_
   err = capsys.readouterr().err
   assert err.count("reward function reward_fixtures:nan_for_odd_length failed on") == 1, err  # once
   assert "returned a non-finite reward (nan)" in err
-  rollouts = read_jsonl(str(run / "rollouts.jsonl"))  # step 0's 8 completions
+  rollouts = read_jsonl(str(run / "rollouts.jsonl"))  # step 1's 8 completions
   odd = [r for r in rollouts if len(r["completion"]) % 2]
   records = read_metrics(str(run))
   assert records[0]["train/reward_errors"] == len(odd) and all(r["reward"] == 0 for r in odd)
   assert all(r["reward"] == 1 for r in rollouts if r not in odd)
-  assert (0, "train/reward_errors") in tensorboard_scalars(run)
+  assert (1, "train/reward_errors") in tensorboard_scalars(run)
 
-  run = tmp_path / "raises"  # a function that always fails: stopped at step 0 with its traceback
+  run = tmp_path / "raises"  # a function that always fails: stopped at step 1 with its traceback
   assert cli.main(args(setup, run, 2, "rewards.functions=[reward_fixtures:divides_by_zero]")) == 1
   err = capsys.readouterr().err
   assert ("reward function reward_fixtures:divides_by_zero failed on 8 completion(s): ZeroDivisionError: "
           "division by zero") in err and "in divides_by_zero" in err and "Traceback" in err
   assert err.splitlines()[-1] == (
-      "rft-jax train: error: step 0: the rewards of 8 of 8 completions (100%) could not be computed (8 errors: "
+      "rft-jax train: error: step 1: the rewards of 8 of 8 completions (100%) could not be computed (8 errors: "
       "raised, or returned NaN, inf or the wrong count; 0 timeouts), above rewards.max_error_fraction=0.5; "
       "stopping rather than training on zero rewards: see the first failure of each kind logged above, in "
       "rewards.functions=['reward_fixtures:divides_by_zero']"), err
@@ -481,10 +482,10 @@ def test_failing_reward_functions_are_counted_and_stop_the_run_before_it_trains_
 
 def test_a_torn_metrics_line_is_dropped_with_a_warning(tmp_path):
   path = tmp_path / "metrics.jsonl"
-  path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+  path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
   with pytest.warns(UserWarning, match="line 3: dropped a torn last record"):
-    assert [r["step"] for r in read_metrics(str(path))] == [0, 1]
-  path.write_text('{"step": 0}\n{"st\n{"step": 2}\n')
+    assert [r["step"] for r in read_metrics(str(path))] == [1, 2]
+  path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
   with pytest.raises(ValueError, match="line 2: not a JSON record"):
     read_metrics(str(path))
 
@@ -501,7 +502,7 @@ def test_corrupt_latest_checkpoints_fall_back_to_the_last_good_one(setup, tmp_pa
   run = tmp_path / "run"
   assert cli.main(args(setup, run, 4, "checkpoint_every=1", "keep_checkpoints=4")) == 0
   metrics = run / "metrics.jsonl"
-  metrics.write_text("".join(metrics.read_text().splitlines(True)[:3]) + '{"step": 3, "lo')  # torn
+  metrics.write_text("".join(metrics.read_text().splitlines(True)[:3]) + '{"step": 4, "lo')  # torn
   for step in (4, 3):
     target = _data_files(run / "checkpoints" / str(step))[0]
     data = bytearray(target.read_bytes())
@@ -529,7 +530,7 @@ def test_corrupt_latest_checkpoints_fall_back_to_the_last_good_one(setup, tmp_pa
   assert "(step 4) does not restore: OUT_OF_RANGE: Error reading" in err  # the truncated file
   assert "(step 2) fails its checksum in 1 array(s)" in err and "resumed from step 1" in err
   assert "Traceback" not in err and "does not restore" in (run / "debug.log").read_text()  # the details
-  assert steps_of(run) == [1, 2, 3, 4] and [r["step"] for r in read_metrics(str(run))] == [0, 1, 2, 3]
+  assert steps_of(run) == [1, 2, 3, 4] and [r["step"] for r in read_metrics(str(run))] == [1, 2, 3, 4]
 
 
 def test_a_checksum_changes_with_one_flipped_bit_or_moved_values():

@@ -114,32 +114,35 @@ def test_entropy_noise_is_twice_the_pooled_seed_deviation():
   assert np.isnan(claims.entropy_noise({"grpo": [result()]}))
 
 
-def _write_run(run_dir, steps=3, eval_step=2):
+def _write_run(run_dir, steps=3, first=1):
   """A run's metrics.jsonl and eval_completions.jsonl as the loop writes them: the start's
-  evaluation as step -1, the final one in its step's record."""
+  evaluation as step ``first - 1``, the steps from ``first`` (1 today; 0 in runs written before
+  rft_jax.train.step_numbers), the final evaluation in the last step's record."""
   os.makedirs(run_dir, exist_ok=True)
   final = {"eval/heldout/avg@2": 0.75, "eval/heldout/pass@2": 1.0, "eval/heldout/entropy": 0.025}
+  last = first + steps - 1
   with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-    f.write(json.dumps({"step": -1, "eval/heldout/avg@2": 0.5, "eval/heldout/pass@2": 0.75,
+    f.write(json.dumps({"step": first - 1, "eval/heldout/avg@2": 0.5, "eval/heldout/pass@2": 0.75,
                         "eval/heldout/entropy": 0.03}) + "\n")
-    for step in range(steps):
+    for step in range(first, last + 1):
       f.write(json.dumps({"step": step, "actor/entropy": 0.02, "train/accuracy": 0.8,
-                          **(final if step == eval_step else {})}) + "\n")
+                          **(final if step == last else {})}) + "\n")
   with open(os.path.join(run_dir, "eval_completions.jsonl"), "w") as f:
-    for step, rows in ((-1, [(0, 0, False), (0, 1, True)]), (eval_step, [(0, 0, True), (0, 1, True), (1, 0, False),
-                                                                          (1, 1, True)])):
+    for step, rows in ((first - 1, [(0, 0, False), (0, 1, True)]), (last, [(0, 0, True), (0, 1, True), (1, 0, False),
+                                                                           (1, 1, True)])):
       f.writelines(json.dumps({"step": step, "problem": p, "sample": s, "correct": c}) + "\n" for p, s, c in rows)
 
 
-def test_load_run_reads_the_final_evaluation(tmp_path):
-  _write_run(tmp_path / "grpo_s0")
+@pytest.mark.parametrize("first", [1, 0], ids=["today", "counted-from-0"])
+def test_load_run_reads_the_final_evaluation(tmp_path, first):
+  _write_run(tmp_path / "grpo_s0", first=first)
   run = load_run(str(tmp_path / "grpo_s0"))
-  assert run.name == "grpo_s0" and len(run.steps) == 3
+  assert run.name == "grpo_s0" and [r["step"] for r in run.steps] == [1, 2, 3]
   assert run.start == {"avg": 0.5, "pass": 0.75, "entropy": 0.03}
   assert run.final == {"avg": 0.75, "pass": 1.0, "entropy": 0.025}
   np.testing.assert_array_equal(run.correct, [[True, True], [False, True]])
   os.remove(tmp_path / "grpo_s0" / "eval_completions.jsonl")
-  with pytest.raises(ValueError, match="eval_completions.jsonl: no answers of the evaluation at step 2"):
+  with pytest.raises(ValueError, match="eval_completions.jsonl: no answers of the evaluation at step 3"):
     load_run(str(tmp_path / "grpo_s0"))
 
 
@@ -163,7 +166,7 @@ def test_a_finished_run_is_reused_only_with_the_same_config(tmp_path):
   run, out = method_run("clip_b", 1), str(tmp_path)
   paths = (str(tmp_path / "train.jsonl"), str(tmp_path / "heldout.jsonl"))
   cfg = run_config(run, QUICK, out, *paths)
-  _write_run(cfg.run_dir, steps=QUICK.steps, eval_step=QUICK.steps - 1)
+  _write_run(cfg.run_dir, steps=QUICK.steps)
   assert not finished(cfg)  # no config.yaml: not this run
   with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
     f.write(to_yaml(cfg))
@@ -176,7 +179,7 @@ def test_a_finished_run_is_reused_only_with_the_same_config(tmp_path):
   done = run_all([run], QUICK, out, *paths)  # nothing to train: no worker starts
   assert done[run.name]["reused"] and done[run.name]["seconds"] == 12.5
   assert json.load(open(tmp_path / "runs" / "runs.json"))[run.name]["seconds"] == 12.5
-  _write_run(cfg.run_dir, steps=QUICK.steps, eval_step=QUICK.steps - 2)  # stopped before its last evaluation
+  _write_run(cfg.run_dir, steps=QUICK.steps - 1)  # stopped before its last step and evaluation
   assert not finished(cfg)
 
 

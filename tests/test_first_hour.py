@@ -45,7 +45,7 @@ def test_a_run_without_reward_variance_warns_once_naming_the_steps(flat_run):
   assert len(warnings) == 1, err  # once, not at every step
   line = warnings[0]
   # a 3-step run: all of its steps (the threshold is NO_SIGNAL_STEPS, or a shorter run's length)
-  assert "steps 0-2" in line and "mean reward 0" in line
+  assert "steps 1-3" in line and "mean reward 0" in line
   assert "rewards.functions=['reward_fixtures:never_matches']" in line and "data.instruction" in line
   assert str(run_dir / "rollouts.jsonl") in line
   assert all(r["train/zero_variance_group_frac"] == 1.0 for r in read_metrics(str(run_dir)))
@@ -78,7 +78,7 @@ def test_nothing_to_evaluate_logs_no_evaluation_and_writes_no_file(flat_run):
   assert "evaluation after step" not in err
   assert not (run_dir / "eval_completions.jsonl").exists()
   records = read_metrics(str(run_dir))
-  assert [r["step"] for r in records] == [0, 1, 2]  # no step -1 (eval.at_start)
+  assert [r["step"] for r in records] == [1, 2, 3]  # no step 0 (eval.at_start)
   assert not any(k.startswith("eval/") or k == "timing/eval_s" for r in records for k in r)
 
 
@@ -223,7 +223,7 @@ def test_the_forecast_panel_says_n_a_for_a_correlation_of_one_point(tmp_path):
   assert correlation_label(float("nan")) == "r = n/a" and correlation_label(0.8312) == "r = 0.83"
   run = tmp_path / "one_point"
   run.mkdir()
-  record = {"step": 0, "time": 0.0, "actor/entropy": 1.0, "entropy/forecast": -1e-4, "entropy/measured": -2e-4}
+  record = {"step": 1, "time": 0.0, "actor/entropy": 1.0, "entropy/forecast": -1e-4, "entropy/measured": -2e-4}
   (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
   fig = draw_runs([str(run)])
   labels = [t.get_text() for t in fig.axes[3].get_legend().get_texts()]

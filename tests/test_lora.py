@@ -384,7 +384,7 @@ def test_a_lora_run_trains_resumes_and_exports(tmp_path):
   assert cli.main(["train", *overrides(setup, run, 2, *lora)]) == 0
   assert cli.main(["train", *overrides(setup, run, 3, *lora)]) == 0
   records = [r for r in read_metrics(str(run)) if "actor/loss" in r]
-  assert [r["step"] for r in records] == [0, 1, 2]
+  assert [r["step"] for r in records] == [1, 2, 3]
   assert all(np.isfinite(r["actor/loss"]) for r in records)
   assert any(r["actor/grad_norm"] > 0 for r in records)  # groups with reward variance
   out = tmp_path / "hf"

@@ -18,7 +18,8 @@ def test_names_map_into_their_namespaces_once():
 
 def test_a_run_logged_with_flat_names_reads_back_namespaced(tmp_path):
   (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 1.0, "entropy": 0.5, "eval_val_avg@4": 0.25}) + "\n")
-  assert read_metrics(str(tmp_path)) == [{"step": 0, "time": 1.0, "actor/entropy": 0.5, "eval/val/avg@4": 0.25}]
+  # (and with the steps counted from 1: the file counted them from 0, as runs then did)
+  assert read_metrics(str(tmp_path)) == [{"step": 1, "time": 1.0, "actor/entropy": 0.5, "eval/val/avg@4": 0.25}]
   log = MetricsLog(str(tmp_path / "new"), tensorboard=False)
   log.write(3, {"entropy": 0.5, "eval_val_avg@4": 0.25})
   log.close()

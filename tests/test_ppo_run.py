@@ -36,7 +36,7 @@ def test_ppo_trains_the_critic_and_resumes_it_exactly(setup, tmp_path):
   train(ppo(setup, tmp_path / "b", 1))
   resumed = train(ppo(setup, tmp_path / "b", 2))  # the critic comes back from the checkpoint
   a, b = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
-  assert [r["step"] for r in b] == [0, 1]
+  assert [r["step"] for r in b] == [1, 2]
   for ra, rb in zip(a, b):
     for key in ra:
       if key not in TIMING:
@@ -48,7 +48,7 @@ def test_ppo_trains_the_critic_and_resumes_it_exactly(setup, tmp_path):
   # the critic starts at zero values: the first step's advantages are whitened returns (the rewards)
   assert a[0]["critic/value_mean"] == 0.0 and a[1]["critic/value_mean"] != 0.0
   rollouts = read_jsonl(str(tmp_path / "a" / "rollouts.jsonl"))
-  first = [r for r in rollouts if r["step"] == 0]
+  first = [r for r in rollouts if r["step"] == 1]
   rewards = np.array([r["reward"] for r in first])
   advantages = np.array([r["advantage"] for r in first])
   assert 0 < rewards.mean() < 1  # both kinds of completion

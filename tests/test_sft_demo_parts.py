@@ -102,8 +102,10 @@ def test_sft_command_trains_from_files_and_reports_bad_rows(tmp_path, capsys):
           "--batch-size", "16", "--warmup-steps", "5", "--max-len", "64", "--log-every", "1",
           "--instruction", ""]  # as configs/demo.yaml (the training default would not fit max_len)
   assert cli.main(args) == 0
-  losses = [float(x) for x in re.findall(r"loss (\S+)", capsys.readouterr().out)]
+  printed = capsys.readouterr().out
+  losses = [float(x) for x in re.findall(r"loss (\S+)", printed)]
   assert len(losses) == 40 and np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+  assert [int(n) for n in re.findall(r"sft step +(\d+)", printed)] == list(range(1, 41))  # from 1, as a run's
   trained = load_hf(out)
   assert trained.config == load_hf(init).config
   assert load_tokenizer(out).convert_tokens_to_ids("<|im_end|>") == tok.convert_tokens_to_ids("<|im_end|>")

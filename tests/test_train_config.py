@@ -193,3 +193,21 @@ def test_the_sampling_section_is_sampling_params_every_setting_reachable(tmp_pat
   path = write(tmp_path, "sampling:\n  n: 8\n  scheduler: static\n  decode_slots: null\n")
   assert load_config(path, REQUIRED).sampling == SamplingParams(n=8, max_new_tokens=1024,
                                                                  scheduler="static")
+
+
+def test_routing_replay_without_recorded_routing_is_refused_when_the_config_loads(capsys):
+  """``learner.routing_replay`` replays the experts the sampler recorded: with
+  ``sampling.record_routing=false`` there are none, so the config check refuses the pair (one line
+  naming both keys; the CLI's config error, exit 2) instead of the learner's first step."""
+  from rft_jax import cli
+
+  pair = ["learner.routing_replay=true", "sampling.record_routing=false"]
+  with pytest.raises(ConfigError, match=r"learner\.routing_replay=true with sampling\.record_routing=false") as raised:
+    load_config(None, REQUIRED + pair)
+  assert "\n" not in str(raised.value)
+  assert load_config(None, REQUIRED + pair[:1]).learner.routing_replay  # recording is on by default
+  assert load_config(None, REQUIRED + pair[1:]).sampling.record_routing is False
+  assert cli.main(["train", "--print-config", *pair, "model.path=m"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("rft-jax train: error: ") and "sampling.record_routing=false" in err
+  assert len(err.strip().splitlines()) == 1

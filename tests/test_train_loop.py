@@ -26,8 +26,8 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
   assert cli.main(["train", *overrides(setup, run_dir, 3, "checkpoint_every=2", "log_rollouts_every=2",
                                         "eval.at_start=true", "data.instruction=be brief")]) == 0
   start, *records = read_metrics(str(run_dir))
-  assert [r["step"] for r in records] == [0, 1, 2]
-  assert start["step"] == -1 and 0.0 <= start["eval/val/avg@2"] <= 1.0 and start["timing/eval_s"] > 0
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert start["step"] == 0 and 0.0 <= start["eval/val/avg@2"] <= 1.0 and start["timing/eval_s"] > 0
   assert "actor/loss" not in start  # the evaluation before any update, nothing else
   assert 0 < start["eval/val/entropy"] < np.log(128) and np.isfinite(records[-1]["eval/val/entropy"])
   # one namespaced scheme for every metric (rft_jax/train/metric_names.py)
@@ -44,14 +44,14 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
   # TensorBoard carries the JSONL's names as they are ("@" included)
   assert any(b"eval/val/avg@2" in f.read_bytes() for f in (run_dir / "tensorboard").iterdir())
-  # completions of steps 0 and 2 (2 prompts x 4 samples each), with the learner's per-completion stats
+  # completions of steps 1 and 3 (2 prompts x 4 samples each), with the learner's per-completion stats
   rollouts = read_jsonl(str(run_dir / "rollouts.jsonl"))
-  assert [r["step"] for r in rollouts] == [0] * 8 + [2] * 8
+  assert [r["step"] for r in rollouts] == [1] * 8 + [3] * 8
   assert {r["answer"] for r in rollouts} <= {"0", "1", "2"} and all("be brief" in r["prompt"] for r in rollouts)
   for r in rollouts:
     assert 0 < r["entropy_mean"] < np.log(128) and np.isfinite(r["s_star_mean"]) and r["masked_tokens"] == 0
     assert np.isfinite(r["reward"]) and 1 <= r["length"] <= 6 and isinstance(r["completion"], str)
-  for step in (0, 2):
+  for step in (1, 3):
     group = [r for r in rollouts if r["step"] == step]
     # advantages are the group z-scores of the logged rewards (4 samples per prompt)
     for g in range(2):
@@ -60,10 +60,10 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_plots(setup, tmp_path, mon
       np.testing.assert_allclose([r["advantage"] for r in group[4 * g:4 * g + 4]], expected, atol=1e-5)
     logged = next(r for r in records if r["step"] == step)
     assert np.mean([r["reward"] for r in group]) == pytest.approx(logged["train/reward_mean"])
-  # every evaluation's answers (2 held-out problems x 2 samples), before training and after step 2
+  # every evaluation's answers (2 held-out problems x 2 samples), before training and after step 3
   answers = read_jsonl(str(run_dir / "eval_completions.jsonl"))
-  assert [(r["step"], r["set"]) for r in answers] == [(-1, "val")] * 4 + [(2, "val")] * 4
-  assert np.mean([r["correct"] for r in answers if r["step"] == 2]) == pytest.approx(records[-1]["eval/val/avg@2"])
+  assert [(r["step"], r["set"]) for r in answers] == [(0, "val")] * 4 + [(3, "val")] * 4
+  assert np.mean([r["correct"] for r in answers if r["step"] == 3]) == pytest.approx(records[-1]["eval/val/avg@2"])
   assert cli.main(["plot", str(run_dir), "--out", str(tmp_path / "plots.png")]) == 0
   assert (tmp_path / "plots.png").stat().st_size > 10_000
   out = tmp_path / "hf"
@@ -101,7 +101,7 @@ def test_kill_and_resume_across_an_epoch_boundary_matches_an_uninterrupted_run(s
   train(load_config(None, overrides(setup, tmp_path / "b", 3)))
   resumed = train(load_config(None, overrides(setup, tmp_path / "b", 4)))
   a, b = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
-  assert [r["step"] for r in b] == list(range(4))
+  assert [r["step"] for r in b] == list(range(1, 5))
   for ra, rb in zip(a, b):
     for key in ra:
       if key not in VOLATILE:

@@ -25,9 +25,11 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rft_jax.data import MathExample
 from rft_jax.entropy import token_stats
+from rft_jax.parallel import global_array
 from rft_jax.rewards import RewardConfig, score_batch
 from rft_jax.rl.advantages import compute_advantages
 from rft_jax.rl.config import EntropyMaskConfig, LearnerConfig
@@ -68,20 +70,25 @@ class Completion:
 
 def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k: int, temperature: float,
               max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, lr: float,
-              mask: EntropyMaskConfig, seed: int = 0, token_class: TokenClass = character_class) -> list[Completion]:
+              mask: EntropyMaskConfig, seed: int = 0, token_class: TokenClass = character_class,
+              mesh=None) -> list[Completion]:
   """Samples ``k`` completions of each problem with ``model`` and attributes their tokens (see the
-  module docstring); ``mask`` is the entropy mask marked (``kind=none``: nothing masked)."""
+  module docstring); ``mask`` is the entropy mask marked (``kind=none``: nothing masked). ``mesh``:
+  the one ``model`` is laid out on (None: one device); the rollouts' rows go over its ``data`` axis
+  and the forward's inputs are replicated on it."""
   prompts = [prompt_fn(p.question) for p in problems]
   rollouts = generate(model, prompts, SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                                                     stop_token_ids=stop_ids), seed=seed)
+                                                     stop_token_ids=stop_ids), seed=seed, mesh=mesh)
   texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
   examples = [problems[i] for i in rollouts.prompt_index]
   scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
                        [int(x) for x in rollouts.completion_lengths], rewards)
   advantages = np.asarray(compute_advantages(jnp.asarray(scored.reward, jnp.float32), k))
   batch = learner_batch(rollouts)
-  ids = jnp.asarray(batch.input_ids)
-  hidden = model(ids, jnp.asarray(batch.attention_mask), return_hidden=True)
+  place = (jnp.asarray if mesh is None
+           else lambda x: global_array(np.asarray(x), NamedSharding(mesh, PartitionSpec())))
+  ids = place(batch.input_ids)
+  hidden = model(ids, place(batch.attention_mask), return_hidden=True, mesh=mesh)
   stats = token_stats(hidden[:, :-1], ids[:, 1:], unembedding=model.unembedding(), product_dtype=model.config.dtype,
                       temperature=temperature)
   response = jnp.asarray(batch.response_mask[:, 1:], jnp.float32)

@@ -28,6 +28,31 @@ class ArgumentParser(argparse.ArgumentParser):
     return super().format_help()
 
 
+def add_mesh_option(parser: argparse.ArgumentParser) -> None:
+  """``--mesh DATAxMODEL``: the mesh a run's checkpoint is restored onto (default: the run's)."""
+  parser.add_argument("--mesh", metavar="DATAxMODEL",
+                      help="restore a run's checkpoint on this data x model mesh of the first devices, "
+                           "e.g. 2x4 (default: the run's mesh section on this machine's devices)")
+
+
+def mesh_from_option(value: str | None):
+  """The mesh ``--mesh`` names (None: the run's); a :class:`ConfigError` line for one that is
+  malformed or needs more devices than there are."""
+  from rft_jax.train.config import ConfigError
+
+  if value is None:
+    return None
+  data, x, model = value.partition("x")
+  if not (x and data.isdigit() and model.isdigit() and int(data) > 0 and int(model) > 0):
+    raise ConfigError(f"--mesh {value}: expected DATAxMODEL, two positive sizes such as 2x4")
+  from rft_jax.parallel import make_mesh
+
+  try:
+    return make_mesh(data=int(data), model=int(model))
+  except ValueError as exc:
+    raise ConfigError(f"--mesh {value}: {exc}") from None
+
+
 def _config_keys_epilog() -> str:
   from rft_jax.train.config_reference import format_config_keys
 
@@ -46,7 +71,8 @@ exit status (every command; the error is one line on standard error):
           identity above its bound; build-kernels: the build failed
   2       invalid input, found before anything runs: an unknown option or key, a bad config value
           or option value, a missing or malformed file (config, data, model directory, run
-          directory), a reward function that does not import
+          directory), an output path a file stands in (run_dir, export's OUT, plot --out) or a
+          non-empty export directory, a reward function that does not import
   128+N   stopped by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing the step"""
 
 

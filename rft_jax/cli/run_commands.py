@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from rft_jax.cli.parser import train_epilog
-from rft_jax.demo.paths import DEFAULT_CONFIG as DEMO_CONFIG  # os only: --help stays instant
+from rft_jax.demo.methods import DEFAULT_VARIANTS, METHODS as DEMO_VARIANTS  # os only: --help stays instant
+from rft_jax.demo.paths import DEFAULT_CONFIG as DEMO_CONFIG
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -20,15 +21,23 @@ def train_command(args: argparse.Namespace) -> int:
   cfg = load_config(args.config, args.overrides)
   metrics = train(cfg, resume=not (args.no_resume or args.overwrite), overwrite=args.overwrite,
                   allow_config_change=args.allow_config_change)
-  done = metrics["steps_done"]
-  what = (f"finished {done} steps" if done == cfg.steps else
-          f"stopped after {done} of {cfg.steps} steps (the training data ran out)")
-  if "reward_mean" not in metrics:  # a rerun of a finished run: no step ran, nothing to report
-    print(f"{what} in {cfg.run_dir}: nothing left to do (its latest checkpoint is of step {done})")
-  else:
-    print(f"{what} in {cfg.run_dir}: reward {metrics['reward_mean']:.3f}, "
-          f"entropy {metrics.get('entropy', float('nan')):.3f}")
+  print(outcome(cfg, metrics))
   return 0
+
+
+def outcome(cfg, metrics: dict[str, float]) -> str:
+  """The one line that ends ``rft-jax train``: the steps done, or why none ran (``metrics``:
+  :func:`rft_jax.train.loop.train`'s)."""
+  done = metrics["steps_done"]
+  if "reward_mean" not in metrics and done >= cfg.steps:  # a rerun of a finished run
+    return (f"{cfg.run_dir} already holds {done} steps (steps={cfg.steps}): nothing to do; set steps above "
+            f"{done} to train on, or pass --overwrite to start over")
+  what = (f"finished {done} steps" if done >= cfg.steps else
+          f"stopped after {done} of {cfg.steps} steps (the training data ran out)")
+  if "reward_mean" not in metrics:  # the data had run out already: no step ran, nothing to report
+    return f"{what} in {cfg.run_dir}: nothing left to do (its latest checkpoint is of step {done})"
+  return (f"{what} in {cfg.run_dir}: reward {metrics['reward_mean']:.3f}, "
+          f"entropy {metrics.get('entropy', float('nan')):.3f}")
 
 
 def check_config(args: argparse.Namespace) -> int:
@@ -65,7 +74,7 @@ def demo_command(args: argparse.Namespace) -> int:
     variants, overrides = split_variants(args.overrides)
   except ValueError as exc:  # an unknown variant: invalid input, exit 2
     raise ConfigError(str(exc)) from None
-  run_demo(args.config, overrides, variants)
+  run_demo(args.config, overrides, variants, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
   return 0
 
 
@@ -99,7 +108,7 @@ def sft_command(args: argparse.Namespace) -> int:
   start = time.time()
 
   def log(step: int, loss: float) -> None:
-    if step % args.log_every == 0 or step == config.steps - 1:
+    if step == 1 or step % args.log_every == 0 or step == config.steps:
       print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
 
   from rft_jax.data.config import DataConfig
@@ -146,9 +155,15 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
                                      "embedded synthetic task")
   demo.add_argument("--config", default=DEMO_CONFIG, help="YAML config; its relative model.path is "
                     "read against the directory holding the rft_jax package (the repository root in a checkout)")
+  demo.add_argument("--overwrite", action="store_true",
+                    help="train the variants from the start, deleting their earlier runs (without it, a "
+                         "finished variant is not trained again and an interrupted one resumes)")
+  demo.add_argument("--allow-config-change", action="store_true",
+                    help="resume the variants although the config differs from their config.yaml in what "
+                         "the runs compute")
   demo.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. steps=10; "
-                    "variants=grpo,clip_b,clip_v,clip_cov,kl_cov,forking,unlikely,ppo,ppo_clip_b,ppo_clip_v,lora picks the runs "
-                    "(default grpo,clip_b,clip_v)")
+                    f"variants=a,b,... picks the runs (default {','.join(DEFAULT_VARIANTS)}) among "
+                    f"{', '.join(DEMO_VARIANTS)}")
   demo.set_defaults(func=demo_command)
   add_loudness_options(demo)
   return demo

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from rft_jax.cli.parser import add_mesh_option, mesh_from_option
+
 
 def sampling_inputs(args: argparse.Namespace):
   """Loads the policy (HF directory or run directory: :func:`rft_jax.train.policy.load_policy`) and
@@ -16,10 +18,12 @@ def sampling_inputs(args: argparse.Namespace):
 
   Returns:
     ``(model, tokenizer, problems, sampling)``: ``sampling`` holds the keyword arguments of
-    :func:`rft_jax.train.evaluate.evaluate` but ``k``, ``temperature`` and ``seed``, and ``config``,
-    the run's config (None for an HF directory).
+    :func:`rft_jax.train.evaluate.evaluate` but ``k``, ``temperature`` and ``seed`` (``mesh``: the
+    one a run's checkpoint was restored onto, None for an HF directory on one device), and
+    ``config``, the run's config (None for an HF directory).
   """
   from rft_jax.data import FORMATS, load_math_dataset
+  from rft_jax.parallel import mesh_of
   from rft_jax.train.config import ConfigError
   from rft_jax.train.policy import load_policy
 
@@ -28,14 +32,14 @@ def sampling_inputs(args: argparse.Namespace):
   check_sampling_options(args)
   check_run_rewards(args.model)  # before the model loads: a reward that cannot import fails at once
   policy = load_policy(args.model, step=args.step, instruction=args.instruction,
-                       system_prompt=args.system_prompt)
+                       system_prompt=args.system_prompt, mesh=mesh_from_option(args.mesh))
   cfg = policy.config
   max_new_tokens = (cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens) if cfg else 1024
   problems, _ = load_math_dataset(args.data, args.format or (policy.data.format if cfg else "jsonl"),
                                   on_bad_row="skip")
   sampling = dict(max_new_tokens=args.max_new_tokens or max_new_tokens, stop_ids=policy.stop_ids,
                   rewards=policy.rewards([p.question for p in problems]), prompt_fn=policy.prompt_ids,
-                  config=cfg)
+                  config=cfg, mesh=mesh_of(policy.model))
   return policy.model, policy.tokenizer, problems, sampling
 
 
@@ -177,6 +181,7 @@ def add_sampling_options(p: argparse.ArgumentParser, k: int, temperature: float)
   p.add_argument("--instruction", help="appended to every question (default: the run's data.instruction, "
                                        "or the training default for an HF directory; '' for none)")
   p.add_argument("--system-prompt", help="system message (default: the run's data.system_prompt)")
+  add_mesh_option(p)
 
 
 def add_eval_parser(sub) -> argparse.ArgumentParser:

@@ -85,12 +85,17 @@ def _read(path: str) -> hf_datasets.Dataset:
 
 @contextlib.contextmanager
 def _quiet_progress():
-  """``datasets``' progress bars off while loading a small local file, as they were after."""
+  """``datasets``' progress bars and log off while loading a small local file, as they were
+  after: its "Generating train split" bars, and its own lines about a file it cannot parse
+  (which the one line of :class:`DatasetError` replaces)."""
   was_enabled = hf_datasets.is_progress_bar_enabled()
+  verbosity = hf_datasets.logging.get_verbosity()
   hf_datasets.disable_progress_bars()
+  hf_datasets.logging.set_verbosity(hf_datasets.logging.CRITICAL)
   try:
     yield
   finally:
+    hf_datasets.logging.set_verbosity(verbosity)
     if was_enabled:
       hf_datasets.enable_progress_bars()
 
@@ -133,20 +138,38 @@ def _check_parquet(path: str) -> None:
 
 
 def _bad_json_line(path: str) -> str | None:
-  """The first line of a JSON-lines file that is not a JSON object, described; None if none."""
+  """The first line of a JSON-lines file that is not a JSON object, described; None if none.
+  The column is the character's on the line, counted from 1 (the line's end when the object
+  is cut short); a key that appears twice in one object is named (``datasets`` refuses it)."""
   row = 0
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
-      if not line.strip():
+      text = line.rstrip("\r\n")
+      if not text.strip():
         continue
       try:
-        value = json.loads(line)
+        value = json.loads(text, object_pairs_hook=_no_repeated_keys)
+      except _RepeatedKey as exc:
+        return f"{path}: {_line_name(number, row)}: the key {exc.args[0]!r} appears twice in one object"
       except json.JSONDecodeError as exc:
-        return f"{path}: {_line_name(number, row)}: not valid JSON ({exc.msg} at column {exc.colno})"
+        where = f"column {exc.pos + 1}" + (", the end of the line" if exc.pos >= len(text) else "")
+        return f"{path}: {_line_name(number, row)}: not valid JSON ({exc.msg} at {where})"
       if not isinstance(value, dict):
         return f"{path}: {_line_name(number, row)}: not a JSON object (a {type(value).__name__})"
       row += 1
   return None
+
+
+class _RepeatedKey(ValueError):
+  """A key that appears twice in one JSON object."""
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  keys = [k for k, _ in pairs]
+  repeated = next((k for k in keys if keys.count(k) > 1), None)
+  if repeated is not None:
+    raise _RepeatedKey(repeated)
+  return dict(pairs)
 
 
 def _root_cause(exc: BaseException) -> str:

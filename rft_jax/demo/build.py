@@ -56,7 +56,7 @@ def build(out: str, *, steps: int, problems: int, max_digits: int, slip_rate: fl
     start = time.time()
 
     def log(step, loss):
-      if step % log_every == 0 or step == steps - 1:
+      if step == 1 or step % log_every == 0 or step == steps:
         print(f"sft step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f} s)", flush=True)
 
     config = SFTConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=50, max_len=64)

@@ -4,6 +4,8 @@ runs of ``rft-jax figures`` (:mod:`rft_jax.figures.runs`) read them here."""
 
 from rft_jax.demo.paths import MOE_CHECKPOINT
 
+# The demo's variants when none are named: the paper's three.
+DEFAULT_VARIANTS = ("grpo", "clip_b", "clip_v")
 _MOE = f"model.path={MOE_CHECKPOINT}"  # absolute: found from any directory
 _PPO = ("learner.advantage=gae", "critic.optim.lr=5e-5", "critic.micro_batch_size=16")
 METHODS: dict[str, tuple[str, ...]] = {

@@ -26,16 +26,16 @@ import jax
 import numpy as np
 
 from rft_jax.analysis.plots import forecast_correlation, plot_runs
-from rft_jax.demo.methods import METHODS
+from rft_jax.demo.methods import DEFAULT_VARIANTS, METHODS
 from rft_jax.demo.paths import load_demo_config
 from rft_jax.demo.task import HELDOUT_SIZE, RL_SEED, addition_problems, heldout_problems, write_problems
 from rft_jax.train.loop import train
 from rft_jax.train.metrics_log import read_metrics
+from rft_jax.train.output_paths import check_directory
 from rft_jax.train.preflight import validate_for_training
 from rft_jax.train.run_setup import build_run
 
 VARIANTS = METHODS  # the demo runs any of them by name
-DEFAULT_VARIANTS = ("grpo", "clip_b", "clip_v")
 
 
 def split_variants(overrides: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
@@ -76,13 +76,13 @@ def build_demo_run(root: str, overrides: Sequence[str] = ()):
 def _summary(run_dir: str) -> dict[str, float]:
   records = read_metrics(run_dir)
   evals = [r for r in records if any(k.startswith("eval/") for k in r)]
-  steps = [r for r in records if r["step"] >= 0]  # step -1: the evaluation before training
+  steps = [r for r in records if r["step"] >= 1]  # step 0: the evaluation before training
 
   def score(record: dict, kind: str) -> float:  # kind: /avg@, /pass@, /entropy of the (one) set
     return next((v for k, v in record.items() if k.startswith("eval/") and kind in k), float("nan"))
 
   quarter = max(len(steps) // 4, 1)
-  start = evals[0] if evals and evals[0]["step"] < 0 else {}
+  start = evals[0] if evals and evals[0]["step"] == 0 else {}
   end = evals[-1] if evals else {}
   return {
       "heldout_avg_start": score(start, "/avg@"), "heldout_avg": score(end, "/avg@"),
@@ -106,13 +106,19 @@ def _mean(records: list[dict], key: str) -> float:
 
 
 def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
-             variants: Sequence[str] = DEFAULT_VARIANTS) -> dict[str, dict[str, float]]:
+             variants: Sequence[str] = DEFAULT_VARIANTS, *, overwrite: bool = False,
+             allow_config_change: bool = False) -> dict[str, dict[str, float]]:
   """Runs the variants and returns their summaries (also printed and plotted).
 
   ``config_path``: default the package's ``rft_jax/configs/demo.yaml``
-  (:func:`rft_jax.demo.paths.load_demo_config` says how its paths are read).
+  (:func:`rft_jax.demo.paths.load_demo_config` says how its paths are read). Run again, the demo
+  works from what it left: a variant whose run is finished is not trained again (one line says
+  so, and its row is read from its saved metrics), an interrupted one resumes; ``overwrite``
+  trains the variants from the start, deleting their runs; ``allow_config_change`` resumes them
+  under a config that changes what they compute (:func:`rft_jax.train.loop.train`).
   """
   base = load_demo_config(config_path, list(overrides))
+  check_directory(base.run_dir, "run_dir")
   data_dir = os.path.join(base.run_dir, "data")
   train_path, heldout_path = write_demo_data(data_dir)
   start = time.time()
@@ -122,25 +128,36 @@ def run_demo(config_path: str | None = None, overrides: Sequence[str] = (),
                                          f"data.train_path={train_path}"])
     cfg.compilation_cache_dir = base.compilation_cache_dir  # one cache for the variants
     cfg.eval.sets = [dataclasses.replace(s, path=heldout_path) for s in cfg.eval.sets]
-    train(cfg, resume=False)
+    metrics = train(cfg, resume=not overwrite, overwrite=overwrite, allow_config_change=allow_config_change)
+    if "reward_mean" not in metrics:  # no step ran: finished by an earlier demo
+      print(f"{name}: finished earlier ({metrics['steps_done']} steps in {cfg.run_dir}); its row is read from "
+            f"its metrics.jsonl (--overwrite trains it again)")
     summaries[name] = _summary(cfg.run_dir)
   k = base.eval.sets[0].k if base.eval.sets else 0
   print(f"\nrft-jax demo: {base.steps} steps x {base.data.prompts_per_step} prompts x {base.sampling.n} samples "
         f"per variant, {time.time() - start:.0f} s")
-  w = max(8, *map(len, summaries))  # the variant column
-  header = (f"{'variant':<{w}} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
-            f"{'held-out entropy start -> end':>30} {'tokens %':>8} {'mask % neg':>10} "
-            f"{'train acc first -> last quarter':>32} {'forecast r':>10}")
-  print(header)
-  for name, s in summaries.items():
-    print(f"{name:<{w}} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
-          f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>8.3f} "
-          f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f} "
-          f"{s['forecast_r']:>10.2f}")
-  for name, s in summaries.items():  # MoE variants only: the dense table is unchanged
-    if not np.isnan(s["load_balancing_loss"]):
-      print(f"{name:<{w}} router: routing mismatch {100 * s['routing_mismatch']:.2f}% of completion tokens, "
-            f"load-balancing loss {s['load_balancing_loss']:.3f} (means over the steps)")
+  print("\n".join(table(summaries, k)))
   plot = plot_runs([os.path.join(base.run_dir, v) for v in variants], os.path.join(base.run_dir, "demo.png"))
   print(f"plots: {plot}")
   return summaries
+
+
+def table(summaries: dict[str, dict[str, float]], k: int) -> list[str]:
+  """The demo's table, a line per variant (``k``: the held-out set's samples per problem), then
+  a line per mixture-of-experts variant with its router's statistics. A forecast correlation
+  there is none of (under 3 forecasts) is ``n/a``."""
+  w = max(8, *map(len, summaries))  # the variant column
+  lines = [f"{'variant':<{w}} {'held-out Avg@' + str(k) + ' start -> end':>27} {'Pass@' + str(k):>7} "
+           f"{'held-out entropy start -> end':>30} {'tokens %':>8} {'mask % neg':>10} "
+           f"{'train acc first -> last quarter':>32} {'forecast r':>10}"]
+  for name, s in summaries.items():
+    r = "n/a" if not np.isfinite(s["forecast_r"]) else f"{s['forecast_r']:.2f}"
+    lines.append(f"{name:<{w}} {s['heldout_avg_start']:>18.3f} -> {s['heldout_avg']:.3f} {s['heldout_pass']:>7.3f} "
+                 f"{s['entropy_start']:>21.4f} -> {s['entropy_final']:.4f} {100 * s['mask_frac']:>8.3f} "
+                 f"{100 * s['mask_frac_negative']:>10.3f} {s['acc_start']:>23.3f} -> {s['acc_end']:.3f} "
+                 f"{r:>10}")
+  for name, s in summaries.items():  # MoE variants only: the dense table is unchanged
+    if not np.isnan(s["load_balancing_loss"]):
+      lines.append(f"{name:<{w}} router: routing mismatch {100 * s['routing_mismatch']:.2f}% of completion tokens, "
+                   f"load-balancing loss {s['load_balancing_loss']:.3f} (means over the steps)")
+  return lines

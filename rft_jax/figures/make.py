@@ -103,6 +103,7 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
   from rft_jax.demo.task import token_class
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.analysis.attribution import attribute, attribution_html
+  from rft_jax.parallel import mesh_of
   from rft_jax.train.policy import load_policy
 
   problems = hardest_problems(load_math_dataset(heldout_path, "jsonl")[0], ATTRIBUTION_PROBLEMS)
@@ -119,7 +120,8 @@ def _attribution(out_dir: str, run_dirs: Sequence[str], heldout_path: str) -> li
         policy.model, policy.tokenizer, problems, prompt_fn=policy.prompt_ids, k=4,
         temperature=cfg.sampling.temperature, max_new_tokens=cfg.sampling.max_new_tokens,
         stop_ids=policy.stop_ids, rewards=policy.rewards([p.question for p in problems]),
-        lr=cfg.learner.optim.lr, mask=EntropyMaskConfig(kind="clip_b"), seed=0, token_class=token_class)
+        lr=cfg.learner.optim.lr, mask=EntropyMaskConfig(kind="clip_b"), seed=0, token_class=token_class,
+        mesh=mesh_of(policy.model))
     sections.append((title, completions))
   with open(os.path.join(out_dir, "attribution.html"), "w") as f:
     f.write(attribution_html(sections, "Clip_B"))

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
 from rft_jax.analysis.plots import metric_series
-from rft_jax.train.metrics_log import read_metrics
+from rft_jax.train.metrics_log import read_metrics, read_run_records
 
 
 @dataclasses.dataclass
@@ -18,7 +17,7 @@ class RunResult:
 
   Attributes:
     name: the run's name (its directory's).
-    steps: the training steps' metric records (``step >= 0``), in order.
+    steps: the training steps' metric records (``step >= 1``; step 0 is the start), in order.
     start / final: held-out ``avg``, ``pass`` and ``entropy`` before training (None where this run
       did not evaluate the start) and after its last step.
     correct: ``[P, K]`` bool, the final evaluation's answers (problem by sample).
@@ -57,21 +56,19 @@ def load_run(run_dir: str) -> RunResult:
   """
   records = read_metrics(run_dir)
   evals = [r for r in records if any(k.startswith("eval/") for k in r)]
-  if not evals or evals[-1]["step"] < 0:
+  if not evals or evals[-1]["step"] == 0:
     raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no evaluation after training")
   last = evals[-1]["step"]
   path = os.path.join(run_dir, "eval_completions.jsonl")
   answers: dict[int, dict[int, bool]] = {}
   if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        row = json.loads(line)
-        if row["step"] == last:
-          answers.setdefault(row["problem"], {})[row["sample"]] = bool(row["correct"])
+    for row in read_run_records(run_dir, "eval_completions.jsonl"):
+      if row["step"] == last:
+        answers.setdefault(row["problem"], {})[row["sample"]] = bool(row["correct"])
   if not answers:
     raise ValueError(f"{path}: no answers of the evaluation at step {last}")
   k = max(len(a) for a in answers.values())
   correct = np.array([[answers[p].get(j, False) for j in range(k)] for p in sorted(answers)], bool)
-  start = next((_held_out(r) for r in evals if r["step"] < 0), None)
-  return RunResult(os.path.basename(os.path.normpath(run_dir)), [r for r in records if r["step"] >= 0],
+  start = next((_held_out(r) for r in evals if r["step"] == 0), None)
+  return RunResult(os.path.basename(os.path.normpath(run_dir)), [r for r in records if r["step"] >= 1],
                    start, _held_out(evals[-1]), correct)

@@ -129,7 +129,7 @@ def finished(cfg) -> bool:
     return False
   changes = [c for c in config_changes(OmegaConf.to_container(OmegaConf.load(path)), cfg)
              if c[0] not in ("progress", "compilation_cache_dir")]
-  last = [r for r in read_metrics(cfg.run_dir) if r["step"] == cfg.steps - 1]
+  last = [r for r in read_metrics(cfg.run_dir) if r["step"] == cfg.steps]
   return not changes and any(any(k.startswith("eval/") for k in r) for r in last)
 
 

@@ -64,6 +64,14 @@ def read_config(path: str | Path, **runtime) -> QwenConfig:
     raise CheckpointError(f"{file}: {str(exc).removeprefix(CONFIG_FILE + ': ')}") from exc
 
 
+def checkpoint_dtype(path: str | Path) -> str | None:
+  """The dtype a Hugging Face directory's ``config.json`` declares (float32 or bfloat16), if any:
+  what ``rft-jax export`` writes by default."""
+  config = _json_or_empty(Path(path) / CONFIG_FILE)
+  dtype = config.get("torch_dtype") or config.get("dtype")
+  return dtype if dtype in ("float32", "bfloat16") else None
+
+
 def abstract_model(config: QwenConfig) -> Qwen:
   """The model with ``jax.ShapeDtypeStruct`` parameters: shapes and metadata, no memory."""
   return nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0)))

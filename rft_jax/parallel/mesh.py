@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 DATA_AXIS = "data"  # rows (and FSDP's parameter shards)
 MODEL_AXIS = "model"  # heads, MLP width, vocabulary (tensor parallelism)
@@ -24,6 +24,16 @@ def axis_if_divides(mesh: Mesh, size: int, axis: str = MODEL_AXIS) -> str | None
 def first_device(mesh: Mesh | None) -> jax.Device:
   """The first device of ``mesh`` (without one: of the default devices)."""
   return next(iter(mesh.devices.flat if mesh is not None else jax.devices()))
+
+
+def mesh_of(tree) -> Mesh | None:
+  """The mesh ``tree``'s arrays are laid out on (a model, a state): the first ``NamedSharding``'s;
+  None when they are on single devices."""
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
 
 
 def platform_of(mesh: Mesh | None) -> str:

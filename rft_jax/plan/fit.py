@@ -34,21 +34,21 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rft_jax.models import QwenConfig
-from rft_jax.models.hf import abstract_model, read_config
+from rft_jax.models.hf import abstract_model
 from rft_jax.models.lora_model import adapted_weights
 from rft_jax.models.paged_kv import pages_for
-from rft_jax.parallel import (DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh,
-                              state_shardings, with_shardings)
+from rft_jax.parallel import DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh
 from rft_jax.plan.parameters import parameter_report
 from rft_jax.plan.topology import GiB, Topology
-from rft_jax.rl.advantages.critic import Critic, ValueModel
-from rft_jax.rl.learner import Learner, LearnerBatch
+from rft_jax.rl.advantages.critic import Critic
+from rft_jax.rl.learner import LearnerBatch
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.generate import abstract_cache, call_spec, sampler_rules
 from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
-from rft_jax.train.resolve import DTYPES, mesh_axes, sampling_params
+from rft_jax.train.resolve import mesh_axes, sampling_params
+from rft_jax.train.run_state import model_config, run_state
 
 
 def _bytes_per_device(tree) -> int:
@@ -86,14 +86,6 @@ def _memory(compiled, hbm: int, resident: int = 0) -> dict[str, Any]:
           "resident_bytes": resident, "total_bytes": total, "fits": total <= hbm}
 
 
-def model_config(cfg: TrainConfig) -> QwenConfig:
-  """The run's architecture and runtime options, from ``model.path/config.json`` alone."""
-  config = read_config(cfg.model.path, dtype=DTYPES[cfg.model.dtype],
-                       param_dtype=DTYPES[cfg.model.param_dtype], remat=cfg.model.remat,
-                       attention=cfg.model.attention, decode_kernels=cfg.model.decode_kernels)
-  return config.replace(lora=cfg.model.lora)
-
-
 def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
          sampler: bool = True) -> dict[str, Any]:
   """Compiles the run's learner step and sampler for ``topo``; returns the JSON-able report
@@ -103,13 +95,11 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   config = model_config(cfg)
   data, model_axis = mesh_axes(cfg, len(topo.devices))
   mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
-  graphdef, abstract = nnx.split(abstract_model(config))
-  state = with_shardings(abstract, state_shardings(abstract, mesh))
-  model = nnx.merge(graphdef, state)
+  built = run_state(cfg, mesh)  # abstract: the state the run trains, laid out on the topology
+  graphdef, state = nnx.split(built.model)
   parameters = parameter_report(state, config)
-
-  learner = Learner(model, cfg.learner, mesh=mesh)
-  train_state = learner.abstract_state(nnx.state(model, nnx.Param))
+  learner = built.learner
+  train_state = built.state if built.critic is None else built.state.policy
   rows = cfg.data.prompts_per_step * cfg.sampling.n
   width = prompt_length_bucket(cfg.data.max_prompt_len) + cfg.sampling.max_new_tokens
   width = -(-width // 16) * 16
@@ -121,7 +111,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       sampler_logp=token(jnp.float32))
   progress(f"compiling the learner step ({rows} rows x {width} tokens) for {topo.name} ...")
   start = time.perf_counter()
-  critic = _abstract_critic(cfg, config, mesh) if cfg.learner.algorithm.needs_critic else None
+  critic = None if built.critic is None else (built.critic, built.state.critic)
   critic_state_bytes = 0 if critic is None else _bytes_per_device(critic[1])  # resident beside the others
   learner_report = _compiled_memory(lambda: learner.lower_step(train_state, batch).compile(),
                                     topo.hbm_bytes, critic_state_bytes)
@@ -188,16 +178,6 @@ def _merged_sampler_state(config: QwenConfig, state) -> tuple[Any, Any, int]:
   graphdef = nnx.split(abstract_model(config.replace(lora=None)))[0]
   resident = _bytes_per_device([flat[p].get_value() for p in (*targets, *adapters)])
   return graphdef, plain, resident
-
-
-def _abstract_critic(cfg: TrainConfig, config: QwenConfig, mesh) -> tuple[Critic, Any]:
-  """PPO's critic for the run (``learner.algorithm.needs_critic``): a value model of the policy's
-  architecture laid out on ``mesh``, and its abstract train state (parameters and AdamW moments)."""
-  value_model = nnx.eval_shape(lambda: ValueModel(config, rngs=nnx.Rngs(0)))
-  graphdef, abstract = nnx.split(value_model)
-  value_model = nnx.merge(graphdef, with_shardings(abstract, state_shardings(abstract, mesh)))
-  critic = Critic(value_model, cfg.critic, mesh=mesh)
-  return critic, critic.abstract_state(nnx.state(value_model, nnx.Param))
 
 
 def _plan_critic_step(critic: Critic, state, batch: LearnerBatch, topo: Topology,

@@ -204,7 +204,8 @@ class LearnerConfig:
     router_z_loss_coef: the router z-loss weight (ST-MoE; 0: off, still logged).
     routing_replay: rollout routing replay (R3): the learner's forward passes route each token
       by the experts the sampler chose for it (the batch's ``expert_ids``, recorded by the
-      sampler), the routing weights still those of the live router. MoE models only.
+      sampler), the routing weights still those of the live router. MoE models only; needs
+      ``sampling.record_routing`` (refused when the config loads without it).
   """
 
   advantage: str = "grpo"
@@ -276,11 +277,12 @@ class LearnerConfig:
                          "has no dual clip; set learner.dual_clip=null")
     if not 0 <= self.beta_rank <= 1:
       raise ValueError(f"learner.beta_rank must be in [0, 1], got {self.beta_rank!r}")
-    if self.advantage == "gae" and self.rollout_correction.rejection is not None:
-      # verl rejects before its advantages: GAE's recursion and whitening skip the rejected tokens;
-      # here GAE is computed before the learner's pre-update log-probs exist
+    if self.rollout_correction.rejection is not None and not self.algorithm.takes_rejection:
+      # e.g. GAE: verl rejects before its advantages (its recursion and whitening skip the rejected
+      # tokens); here the advantages are made before the learner's pre-update log-probs exist
       raise ValueError(f"learner.rollout_correction.rejection={self.rollout_correction.rejection!r} with "
-                       "learner.advantage=gae is not supported (verl computes GAE over the kept tokens only)")
+                       f"learner.advantage={self.advantage} is not supported (verl computes GAE over the "
+                       "kept tokens only)")
 
   @property
   def policy_objective(self) -> Objective:

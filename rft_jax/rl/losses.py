@@ -18,7 +18,9 @@ and with dual clipping (constant :math:`c > 1`) :math:`J_t = \max(J_t, c A_t)` f
 :math:`N_{tokens}` and :math:`N_{seq}` count the valid tokens / non-empty sequences
 of the *whole training batch*: :func:`loss_normaliser` computes them once and every
 micro-batch divides by them, so that the gradients of the micro-batches sum exactly
-to the gradient of the full batch (normalising per micro-batch would not).
+to the gradient of the full batch (normalising per micro-batch would not). Each aggregation is
+one row of a table (:class:`Aggregation`) that :func:`aggregate_loss` and
+:func:`aggregation_weights` both read.
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
 
 class PolicyLossTerms(NamedTuple):
   """Per-token pieces of the clipped surrogate, all ``[B, T]``."""
@@ -95,6 +94,36 @@ def loss_normaliser(mask: Array, max_len: int | None = None) -> LossNormaliser:
   )
 
 
+class Aggregation(NamedTuple):
+  r"""One aggregation of :data:`AGGREGATIONS` (a row of the module docstring's table):
+  :math:`\sum_b s_b / D` with :math:`s_b = \sum_t \ell_{bt}`, or :math:`s_b / |o_b|` per sequence.
+
+  Attributes:
+    per_sequence: each row's token sum is first divided by its valid tokens :math:`|o_b|`
+      (at least 1).
+    denominator: :math:`D` from the full batch's :class:`LossNormaliser`.
+  """
+
+  per_sequence: bool
+  denominator: Callable[[LossNormaliser], Float[Array, ""]]
+
+
+AGGREGATION_RULES: dict[str, Aggregation] = {
+    "token-mean": Aggregation(False, lambda n: n.tokens),
+    "seq-mean-token-mean": Aggregation(True, lambda n: n.sequences),
+    "seq-mean-token-sum": Aggregation(False, lambda n: n.sequences),
+    "seq-mean-token-sum-norm": Aggregation(False, lambda n: n.sequences * n.max_len),
+}
+AGGREGATIONS = tuple(AGGREGATION_RULES)
+
+
+def aggregation(mode: str) -> Aggregation:
+  """The rule of ``mode``; ``ValueError`` naming the aggregations there are."""
+  if mode not in AGGREGATION_RULES:
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATIONS}")
+  return AGGREGATION_RULES[mode]
+
+
 def aggregate_loss(
     per_token: Float[Array, "B T"], mask: Array, mode: str, normaliser: LossNormaliser
 ) -> Float[Array, ""]:
@@ -102,33 +131,23 @@ def aggregate_loss(
 
   Summing this over the micro-batches of a batch gives the full batch's value.
   """
+  rule = aggregation(mode)
   mask = mask.astype(per_token.dtype)
   token_sum = jnp.sum(per_token * mask, axis=-1)
-  if mode == "token-mean":
-    return jnp.sum(token_sum) / normaliser.tokens
-  if mode == "seq-mean-token-mean":
-    return jnp.sum(token_sum / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)) / normaliser.sequences
-  if mode == "seq-mean-token-sum":
-    return jnp.sum(token_sum) / normaliser.sequences
-  if mode == "seq-mean-token-sum-norm":
-    return jnp.sum(token_sum) / (normaliser.sequences * normaliser.max_len)
-  raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATIONS}")
+  if rule.per_sequence:
+    token_sum = token_sum / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+  return jnp.sum(token_sum) / rule.denominator(normaliser)
 
 
 def aggregation_weights(mask: Array, mode: str, normaliser: LossNormaliser) -> Float[Array, "B T"]:
   """``[B, T]`` per-token weights ``w`` with ``aggregate_loss(x, mask, mode, normaliser) ==
   sum(x * w)`` (to float32 rounding): an aggregation that no longer needs the rows, for a loss
   whose tokens were moved to another layout (packed rows, ``rft_jax.rl.token_batches``)."""
+  rule = aggregation(mode)
   mask = mask.astype(jnp.float32)
-  if mode == "token-mean":
-    return mask / normaliser.tokens
-  if mode == "seq-mean-token-mean":
-    return mask / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0) / normaliser.sequences
-  if mode == "seq-mean-token-sum":
-    return mask / normaliser.sequences
-  if mode == "seq-mean-token-sum-norm":
-    return mask / (normaliser.sequences * normaliser.max_len)
-  raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATIONS}")
+  if rule.per_sequence:
+    mask = mask / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+  return mask / rule.denominator(normaliser)
 
 
 def _k1(log_ratio):

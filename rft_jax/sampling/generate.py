@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,31 @@ from rft_jax.sampling import loop
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import OnDevice, Rollouts
+
+
+class CallOutputs(NamedTuple):
+  """What :func:`generate` keeps of one compiled call's final state, on the devices until every
+  call is queued (the call's KV cache is not kept: it is freed when the call ends).
+
+  Attributes:
+    tokens: ``[R, M]`` the call's sampled tokens, 0 after each row's end.
+    logprobs: ``[R, M]`` their log-probabilities.
+    lengths: ``[R]`` tokens per row.
+    done: ``[R]`` the row ended with a stop token (or is a dummy).
+    evictions: the samples a paged KV cache evicted and decoded again; None for programs
+      without a paged cache.
+    expert_ids: an MoE model's ``[R, M, L, k]`` recorded routing of the fed tokens; None when
+      not recorded.
+    prompt_expert_ids: ``[B, P, L, k]`` the prompts' routing in the prefill; None when not recorded.
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  evictions: jax.Array | None
+  expert_ids: jax.Array | None
+  prompt_expert_ids: jax.Array | None
 
 
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -126,24 +151,27 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
                       spec=spec, mesh=mesh, rules=rules)
     # Left on device (a few MB per call) and fetched once every call is queued: the device
     # does not wait for a transfer between calls. Each call's KV cache is freed when it ends.
-    outs.append((out.tokens, out.logprobs, out.lengths, out.done,
-                 getattr(out, "evictions", None), out.expert_ids, out.prompt_expert_ids))
+    outs.append(CallOutputs(tokens=out.tokens, logprobs=out.logprobs, lengths=out.lengths, done=out.done,
+                            evictions=getattr(out, "evictions", None), expert_ids=out.expert_ids,
+                            prompt_expert_ids=out.prompt_expert_ids))
   keep = num * n
-  tokens, lengths, done = (np.concatenate([host_array(o[field]) for o in outs])[:keep]
-                           for field in (0, 2, 3))
+  tokens = _host_rows([o.tokens for o in outs], keep)
+  lengths = _host_rows([o.lengths for o in outs], keep)
+  done = _host_rows([o.done for o in outs], keep)
   on_device = logprobs = None
   if keep_on_device:  # the dummy prompts' rows dropped where the arrays are
-    on_device = OnDevice(*(_device_rows([o[field] for o in outs], keep) for field in (0, 1)))
+    on_device = OnDevice(completion_ids=_device_rows([o.tokens for o in outs], keep),
+                         logprobs=_device_rows([o.logprobs for o in outs], keep))
   else:
-    logprobs = np.concatenate([host_array(o[1]) for o in outs])[:keep].astype(np.float32)
+    logprobs = _host_rows([o.logprobs for o in outs], keep).astype(np.float32)
   prompt_routing = completion_routing = None
-  if outs[0][5] is not None:  # an MoE model's recorded routing (rft_jax.sampling.routing_record)
+  if outs[0].expert_ids is not None:  # an MoE model's recorded routing (rft_jax.sampling.routing_record)
     if keep_on_device:
-      completion_routing = _device_rows([o[5] for o in outs], keep)
-      prompt_routing = _device_rows([o[6] for o in outs], num)
+      completion_routing = _device_rows([o.expert_ids for o in outs], keep)
+      prompt_routing = _device_rows([o.prompt_expert_ids for o in outs], num)
     else:
-      completion_routing = np.concatenate([host_array(o[5]) for o in outs])[:keep]
-      prompt_routing = np.concatenate([host_array(o[6]) for o in outs])[:num]
+      completion_routing = _host_rows([o.expert_ids for o in outs], keep)
+      prompt_routing = _host_rows([o.prompt_expert_ids for o in outs], num)
   return Rollouts(
       prompt_ids=ids[:num],
       prompt_lengths=np.asarray([len(x) for x in prompts], np.int32),
@@ -153,7 +181,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
       finish_reason=np.where(done, "stop", "length"),
       prompt_index=np.repeat(np.arange(num, dtype=np.int32), n),
       on_device=on_device,
-      evictions=sum(int(host_array(o[4])) for o in outs if o[4] is not None),
+      evictions=sum(int(host_array(o.evictions)) for o in outs if o.evictions is not None),
       prompt_expert_ids=prompt_routing,
       completion_expert_ids=completion_routing,
   )
@@ -173,6 +201,11 @@ def program_for(params: SamplingParams, mesh: Mesh | None):
   continuous batching's (:func:`~rft_jax.sampling.continuous.pool_for`) or the static loop's
   (:func:`~rft_jax.sampling.loop.loop_for`), as ``params.scheduler`` says."""
   return pool_for(mesh) if params.scheduler == "continuous" else loop_for(mesh)
+
+
+def _host_rows(parts: list[jax.Array], keep: int) -> np.ndarray:
+  """The first ``keep`` rows of the calls' outputs ``parts``, concatenated on the host."""
+  return np.concatenate([host_array(x) for x in parts])[:keep]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -289,33 +289,28 @@ def _writing(what: str):
     raise WriteError(f"{what}: {_os_error(exc)}") from exc
 
 
-def restore_policy(run_dir: str, step: int | None = None):
-  """The policy of a run's checkpoint (the base model's structure, the run's parameters; a PPO
-  run's critic is restored with it and dropped). A LoRA run's policy comes back merged (a plain
-  model, :meth:`~rft_jax.rl.model_trainer.ModelTrainer.model`).
+def restore_policy(run_dir: str, step: int | None = None, mesh=None):
+  """The policy of a run's checkpoint, restored onto ``mesh`` (default: the run's ``mesh``
+  section on this process's devices) in the run's dtypes: the abstract state of
+  :func:`rft_jax.train.run_state.run_state` is the restore's target, so each array is read
+  directly into its shards, never through an unsharded float32 copy. A PPO run's critic is
+  restored with it and dropped; a LoRA run's policy comes back merged (a plain model, its targeted
+  weights ``W + alpha/r A B`` computed on the mesh, shard by shard).
 
   Returns:
     ``(model, config, step)``: the policy, the run's config and the step restored.
   """
-  from rft_jax.models import load_hf
-  from rft_jax.rl.learner import Learner
+  from rft_jax.rl.advantages.critic import ActorCriticState
   from rft_jax.train.config import load_config
+  from rft_jax.train.run_state import run_mesh, run_state
 
   cfg = load_config(os.path.join(run_dir, "config.yaml"))
-  model = load_hf(cfg.model.path)
-  if cfg.model.lora is not None:  # the adapters' structure; their values come from the checkpoint
-    from rft_jax.models.lora_model import add_adapters
-    model = add_adapters(model, cfg.model.lora, seed=cfg.seed)
-  learner = Learner(model, cfg.learner)
-  template = learner.init(model)
-  if cfg.learner.algorithm.needs_critic:  # PPO's checkpoints hold the critic too; only the policy is used
-    from flax import nnx
-
-    from rft_jax.rl.advantages.critic import ActorCriticState, Critic, ValueModel
-
-    value_model = ValueModel.from_policy(load_hf(cfg.model.path), rngs=nnx.Rngs(0))
-    template = ActorCriticState(policy=template, critic=Critic(value_model, cfg.critic).init(value_model))
+  built = run_state(cfg, run_mesh(cfg) if mesh is None else mesh)
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  state, _, restored = checkpointer.restore(template, step, move_corrupt=False)
-  checkpointer.close()
-  return learner.model(state), cfg, restored
+  try:
+    state, _, restored = checkpointer.restore(built.state, step, move_corrupt=False)
+  finally:
+    checkpointer.close()
+  if isinstance(state, ActorCriticState):
+    state = state.policy
+  return built.learner.model(state), cfg, restored

@@ -136,10 +136,14 @@ class TrainConfig:
   Attributes:
     run_dir: where metrics, checkpoints, plots and the resolved config go.
     seed: seeds the data order, the sampler and everything else.
-    steps: training steps (batches).
+    steps: training steps (batches), numbered 1 to ``steps`` in the run's files and lines
+      (:mod:`rft_jax.train.step_numbers`).
     dynamic_sampling: drop groups whose rewards all agree (zero advantage) and refill
       with fresh prompts, up to ``max_refills`` extra sampling rounds per step.
-    checkpoint_every / keep_checkpoints: orbax checkpoints (0: only at the end).
+    checkpoint_every: save a checkpoint every this many steps (0: only at the end; a run
+      stopped by a signal or an error saves its last step too).
+    keep_checkpoints: how many of the latest checkpoints to keep on disk (older ones are deleted;
+      at least 1).
     progress: show a progress bar.
     compilation_cache_dir: where JAX keeps compiled programs across processes, so that a
       resumed run or a rerun skips the compilations it has seen before (None, the default:
@@ -148,9 +152,10 @@ class TrainConfig:
     max_nonfinite_steps: the run stops with an error after this many consecutive steps whose
       loss or gradient norm was not finite (each such step is skipped: parameters and
       optimizer state unchanged).
-    log_rollouts_every: every this many steps (0: never), the step's completions go to
-      ``RUN_DIR/rollouts.jsonl``: prompt, completion, answer, reward, advantage, and the
-      completion's mean entropy, mean S_* and entropy-masked token count.
+    log_rollouts_every: the completions of step 1 and of every this many steps after it (1, 11,
+      21, ... for 10; 0: never) go to ``RUN_DIR/rollouts.jsonl``: prompt, completion, answer,
+      reward, advantage, and the completion's mean entropy, mean S_* and entropy-masked token
+      count.
 
   Checks that need files or the device count (paths, row counts, the data-parallel split)
   are :func:`rft_jax.train.preflight.validate_for_training`'s, run before the model loads.
@@ -213,6 +218,9 @@ class TrainConfig:
           f"learner.temperature={self.learner.temperature} differs from sampling.temperature="
           f"{self.sampling.temperature}: the learner's log p and entropy statistics must be those of "
           f"the distribution the rollouts were sampled from (leave learner.temperature unset)")
+    if self.learner.routing_replay and not self.sampling.record_routing:
+      raise ConfigError("learner.routing_replay=true with sampling.record_routing=false: replay needs the "
+                        "experts the sampler recorded (set sampling.record_routing=true)")
     if self.learner.max_len is None:
       self.learner.max_len = self.sampling.max_new_tokens
     updates = {"learner": self.steps * self.learner.mini_batches * self.learner.ppo_epochs,

@@ -92,15 +92,14 @@ ALLOWED: dict[tuple[type, str], Allowed] = {
 # Keys whose class docstring has no ``Attributes:`` entry for them.
 MEANINGS: dict[tuple[type, str], str] = {
     (TrainConfig, "max_refills"): "extra sampling rounds of a step with `dynamic_sampling` (0: none).",
-    (LearnerConfig, "max_len"): "Dr.GRPO's constant length for `seq-mean-token-sum-norm` (None: in a run, "
-                                "`sampling.max_new_tokens`).",
+    (LearnerConfig, "max_len"): "Dr.GRPO's constant length for `seq-mean-token-sum-norm` (None: `sampling.max_new_tokens`).",
     (RewardConfig, "function_weights"): "one weight per `rewards.functions` entry (empty: all 1).",
     (EvalSetConfig, "name"): "the set's name in its metrics (`eval/<name>/avg@k`); not `val`.",
     (EvalSetConfig, "path"): "local file or `save_to_disk` directory of the set.",
     (EvalSetConfig, "format"): "how its rows are read (as `data.format`).",
     (EvalSetConfig, "k"): "samples per problem (Avg@k, Pass@k).",
     (EvalConfig, "every"): "evaluate every this many steps (0: never).",
-    (EvalConfig, "at_start"): "also evaluate the starting policy of a fresh run, logged as step -1.",
+    (EvalConfig, "at_start"): "also evaluate the starting policy of a fresh run, logged as step 0.",
     (EvalConfig, "save_completions"): "write every sampled answer, with its score, to "
                                       "`RUN_DIR/eval_completions.jsonl`.",
     (EvalConfig, "temperature"): "sampling temperature of the evaluation (the paper: 0.7).",
@@ -330,15 +329,16 @@ def allowed_text(row: Key) -> str:
 
 
 def format_config_keys() -> str:
-  """Every setting with its default, one ``key = value`` a line, and the values a key with a
-  fixed set takes (``rft-jax train --help``)."""
-  lines = []
-  for row in reference():
-    if row.key.startswith("model.lora."):  # not keys of the default config (model.lora is null)
-      continue
-    line = f"  {row.key} = {shown(row.default) if not isinstance(row.default, tuple) else repr(row.default)}"
+  """Every setting with its default (``rft-jax train --help``), a line each, with the values a key
+  with a fixed set takes; a null section's keys (``model.lora``) too."""
+  rows, lines = reference(), []
+  off = {row.key for row in rows if row.default is None and row.type == "section or null"}
+  for row in rows:
+    line = f"  {row.key} = {shown(row.default)}"
     if row.allowed is not None:
       line += f"  ({'each ' if row.each else ''}one of: {', '.join('null' if v is None else str(v) for v in row.allowed)})"
+    if row.key in off or row.section in off:  # model.lora: setting one of its keys turns it on
+      line += "  (off: set one of its keys to turn it on)" if row.key in off else f"  (once {row.section} is set)"
     lines.append(line)
   return "\n".join(lines)
 

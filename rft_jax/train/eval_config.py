@@ -30,8 +30,8 @@ class EvalConfig:
   ``sets`` lists extra sets (e.g. AIME with k=32); the held-out validation split is
   evaluated with ``val_k`` samples when ``data.val_size > 0``. ``save_completions`` writes every
   sampled answer, with its score, to ``RUN_DIR/eval_completions.jsonl``. ``at_start`` also evaluates
-  the starting policy of a fresh run, logged as step -1 (the evaluation after step ``s`` is
-  logged at step ``s``, so step -1 is "after no update").
+  the starting policy of a fresh run, logged as step 0 (the evaluation after step ``s`` is
+  logged at step ``s``, so step 0 is "after no update"; :mod:`rft_jax.train.step_numbers`).
   """
 
   every: int = 0

@@ -9,7 +9,9 @@ the seconds spent in each phase (``time_sample``, ``time_reward``, ``time_learne
 sampler's randomness is derived from ``seed`` and the step, and the prompt stream's
 position is checkpointed, so a resumed run repeats exactly what an uninterrupted one
 would have done. What a run builds once, before its first step, is
-:func:`rft_jax.train.run_setup.build_run`'s.
+:func:`rft_jax.train.run_setup.build_run`'s. Steps are numbered from 1 in everything a run
+writes and says (:mod:`rft_jax.train.step_numbers`); inside the loop a step's ``index`` (its
+number minus one) seeds its sampling.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from rft_jax.train.preemption import StopSignals
 from rft_jax.train.preflight import validate_for_training
 from rft_jax.train.resolve import sampling_params
 from rft_jax.train.run_setup import Run, build_run
-from rft_jax.train.run_dir import RunDirLock, prepare_run_dir
+from rft_jax.train.run_dir import RunDirLock, finished_steps, prepare_run_dir
 from rft_jax.train.status import logger
 from rft_jax.train.step_rollouts import (
     SampledRound,
@@ -74,15 +76,16 @@ def sample_round(run: Run, state, prompts: list, seed: int) -> SampledRound:
 
 
 def sample_rounds(run: Run, state, step: int) -> list[SampledRound]:
-  """Stage 1 for the step: its prompts' round, then, with dynamic sampling, refills until enough
-  groups have rewards that differ (at most ``max_refills``)."""
+  """Stage 1 for the step of index ``step`` (from 0: the step numbered ``step + 1``): its
+  prompts' round, then, with dynamic sampling, refills until enough groups have rewards that
+  differ (at most ``max_refills``)."""
   cfg = run.config
   seed = cfg.seed * 1_000_003 + step * 101
   rounds = [sample_round(run, state, next(run.stream), seed=seed)]
   while (cfg.dynamic_sampling and len(rounds) <= cfg.max_refills
          and sum(r.varied_groups(cfg.sampling.n) for r in rounds) < cfg.data.prompts_per_step):
     rounds.append(sample_round(run, state, next(run.stream), seed=seed + len(rounds)))
-  check_reward_failures([r.scored for r in rounds], step, cfg.rewards)
+  check_reward_failures([r.scored for r in rounds], step + 1, cfg.rewards)
   return rounds
 
 
@@ -94,7 +97,7 @@ def critic_run(run: Run, critic_state) -> CriticRun | None:
 
 
 def step_rollouts(run: Run, state, step: int) -> StepRollouts:
-  """The learner's batch of step ``step``: stages 1-3 of a step."""
+  """The learner's batch of the step of index ``step`` (from 0): stages 1-3 of a step."""
   cfg = run.config
   n = cfg.sampling.n
   rounds = sample_rounds(run, state, step)  # 1. sample and score
@@ -111,21 +114,21 @@ def step_rollouts(run: Run, state, step: int) -> StepRollouts:
   return StepRollouts(rounds, chosen, rewards, correct, batch, result.critic_targets)
 
 
-def train_step(run: Run, state, step: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
-  """One step of the loop: sample and score, select, advantages (:func:`step_rollouts`), learn,
-  log. Returns the new state and every metric of the step. Every ``log_rollouts_every`` steps the
-  step's completions go to ``rollouts_log`` (a :class:`~rft_jax.train.metrics_log.JsonlFile`),
-  when given."""
-  rollouts = step_rollouts(run, state, step)
+def train_step(run: Run, state, index: int, rollouts_log=None) -> tuple[Any, dict[str, float]]:
+  """One step of the loop, the step of ``index`` (from 0; numbered ``index + 1``): sample and
+  score, select, advantages (:func:`step_rollouts`), learn, log. Returns the new state and every
+  metric of the step. The completions of step 1 and of every ``log_rollouts_every``-th step after
+  it go to ``rollouts_log`` (a :class:`~rft_jax.train.metrics_log.JsonlFile`), when given."""
+  rollouts = step_rollouts(run, state, index)
   batch = rollouts.batch
   every = run.config.log_rollouts_every
   policy, critic_state = (state.policy, state.critic) if run.critic is not None else (state, None)
   t0 = time.perf_counter()  # 4. learn
-  if every and step % every == 0:  # on every process: the per-row values are collectives
+  if every and index % every == 0:  # on every process: the per-row values are collectives
     policy, metrics, row_stats = run.learner.step(policy, batch, rows=True)
     row_stats["advantage"] = row_advantages(batch)
     if rollouts_log is not None:
-      rollouts_log.write(rollouts.records(run.tokenizer, step, row_stats))
+      rollouts_log.write(rollouts.records(run.tokenizer, index + 1, row_stats))
   else:
     policy, metrics = run.learner.step(policy, batch)
   learn_time = time.perf_counter() - t0
@@ -153,7 +156,9 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
   the latest one that restores; the metrics of the resumed steps equal those of an
   uninterrupted run. Without it, a directory holding an earlier run is refused unless
   ``overwrite``; a resume with a config that differs in what the run computes is refused
-  unless ``allow_config_change`` (:func:`rft_jax.train.run_dir.prepare_run_dir`).
+  unless ``allow_config_change`` (:func:`rft_jax.train.run_dir.prepare_run_dir`). A resumed run
+  that already holds ``cfg.steps`` steps or more has nothing to do: no step runs, none of its
+  files is written (``config.yaml``, metrics, checkpoints) and only ``steps_done`` is returned.
 
   Faults end the run with a :class:`rft_jax.train.errors.RunError` naming the cause, after
   saving the last completed step when that is possible: a second trainer on the directory,
@@ -175,8 +180,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
               cfg.data.prompts_per_step, cfg.sampling.n, cfg.run_dir)
   with (RunDirLock(cfg.run_dir) if main else contextlib.nullcontext()), StopSignals() as signals, \
        persistent_compilation_cache(run_cache_dir(cfg.run_dir, cfg.compilation_cache_dir)) as cache:
+    # A run whose checkpoints reach cfg.steps may have nothing to do: its directory is checked, not
+    # written, until its latest checkpoint that restores says whether steps are left.
+    maybe_finished = finished_steps(cfg, resume=resume and not overwrite) is not None
+    prepare = dict(resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
     if main:
-      prepare_run_dir(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+      prepare_run_dir(cfg, **prepare, check_only=maybe_finished)
     sync_processes("rft_jax.prepare_run_dir")
     with debug_log(cfg.run_dir, jax.process_index()):
       run, state = build_run(cfg, inputs)
@@ -185,9 +194,14 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
       if resume and checkpointer.latest_step() is not None:
         state, meta, start = checkpointer.restore(state)
         _check_restored(state, checkpointer, start)
+        if start >= cfg.steps:  # finished: nothing to do, nothing written
+          checkpointer.close()
+          return {"steps_done": start}
         run.stream.set_state(meta["data"])
         if main:
           logger.info("resumed from step %d of %s", start, cfg.run_dir)
+      if maybe_finished and main:  # it was not: its latest checkpoints did not restore
+        prepare_run_dir(cfg, **prepare)
       resume_from = start if start else None
       mirror = (WandbLog(cfg.run_dir, cfg.logging, dataclasses.asdict(cfg), resume=resume)
                 if main and cfg.logging.wandb else None)
@@ -207,7 +221,7 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
   cfg = run.config
   metrics: dict[str, float] = {}
   progress = _progress(cfg, start, enabled=is_main_process())
-  done = saved = start  # steps in `state`; steps in the latest checkpoint
+  done = saved = start  # steps in `state`; steps in the latest checkpoint (step numbers, from 1)
   skipped_in_row = skipped_total = 0
 
   def save(step: int) -> None:
@@ -230,45 +244,47 @@ def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, 
   evaluating = evaluates(run)  # else no evaluation runs and none is logged
   no_signal = NoSignalWarning(cfg, start)
   try:
-    if evaluating and cfg.eval.at_start and start == 0:
-      log.write(-1, _timed_evaluation(run, state, -1, completions.get("eval_completions")))
-    for step in range(start, cfg.steps):
+    if evaluating and cfg.eval.at_start and start == 0:  # step 0: the start
+      log.write(0, _timed_evaluation(run, state, 0, completions.get("eval_completions")))
+    for index in range(start, cfg.steps):
+      step = index + 1  # the step's number: once it is done, `step` steps are done
       try:
         started = time.perf_counter()
-        state, metrics = train_step(run, state, step, completions.get("rollouts"))
+        state, metrics = train_step(run, state, index, completions.get("rollouts"))
         committed()  # the save started after the previous step: judged before anything else
-        if step == start:
+        if index == start:
           logger.info("first step done in %.0f s (compiling the sampler and the learner step; "
                       "%d programs loaded from the compilation cache, %.0f s of compiling saved)",
                       time.perf_counter() - started, cache.hits, cache.seconds_saved)
       except StopIteration:
-        logger.warning("the training data ran out (data.epochs=%s) before step %d; stopping with a "
-                       "checkpoint of step %d", cfg.data.epochs, step, done)
+        logger.warning("the training data ran out (data.epochs=%s) after step %d; stopping with a "
+                       "checkpoint of step %d", cfg.data.epochs, done, done)
         break
-      done = step + 1
+      done = step
       skipped = bool(metrics.get("nonfinite_skipped", 0.0))
       skipped_in_row = skipped_in_row + 1 if skipped else 0
       skipped_total += skipped
       metrics["nonfinite_skipped_total"] = float(skipped_total)
       no_signal.update(step, metrics)
-      if evaluating and cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps):
+      if evaluating and cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
         try:
           metrics.update(_timed_evaluation(run, state, step, completions.get("eval_completions")))
-          logger.info("evaluation after step %d: %s", done, ", ".join(
+          logger.info("evaluation after step %d: %s", step, ", ".join(
               f"{logged_name(k)} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and "@" in k))
         except Exception:
           log.write(step, metrics)  # the step's own metrics; its checkpoint follows below
           raise
-      if step == start:
+      if index == start:
         metrics.update({f"data_{k}": float(v) for k, v in run.data_report.items()})
       log.write(step, metrics)
       progress.update(1)
       progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", entropy=f"{metrics['entropy']:.3f}")
       if skipped_in_row >= cfg.max_nonfinite_steps:
+        kept = step - skipped_in_row
         raise NonFiniteError(
-            f"steps {step - skipped_in_row + 1}-{step}: the loss or gradient norm was not finite "
+            f"steps {kept + 1}-{step}: the loss or gradient norm was not finite "
             f"{skipped_in_row} times in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); each "
-            f"was skipped, the parameters are those after step {step - skipped_in_row}")
+            f"was skipped, the parameters are " + (f"those after step {kept}" if kept else "the starting ones"))
       stop = signals.requested()
       if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps or stop:
         save(done)
@@ -336,7 +352,7 @@ def _close_quietly(*closers) -> None:
 
 
 def _timed_evaluation(run: Run, state, step: int, completions_log=None) -> dict[str, float]:
-  """The evaluation after ``step`` (-1: before training); its answers go to ``completions_log``."""
+  """The evaluation after ``step`` (0: before training); its answers go to ``completions_log``."""
   t0 = time.perf_counter()
   records = [] if completions_log is not None else None
   metrics = evaluate_problems(run, state, records)

@@ -2,7 +2,8 @@
 JSONL files (``rollouts.jsonl``, ``eval_completions.jsonl``) through :class:`JsonlFile`.
 
 JSONL is the source of truth (one object per step with ``step`` and ``time``; read it
-back with :func:`read_metrics`); TensorBoard event files in ``RUN_DIR/tensorboard``
+back with :func:`read_metrics`; steps are numbered as :mod:`rft_jax.train.step_numbers` says:
+from 1, step 0 being the start); TensorBoard event files in ``RUN_DIR/tensorboard``
 mirror the scalars for live viewing. On several processes only process 0 writes them; the
 others get a :class:`NullLog`.
 
@@ -24,13 +25,15 @@ from typing import Any
 
 from rft_jax.train.errors import WriteError
 from rft_jax.train.metric_names import logged_names
+from rft_jax.train.step_numbers import RUN_FILES, counts_from_zero, renumbered
 
 
 class JsonlFile:
   """An append-only JSONL file of a run, one record per line, each flushed as it is written.
 
-  On resume (``resume_from_step``), records of steps at or after it are dropped, so that a resumed
-  run's file equals an uninterrupted one; on a fresh run (None) an earlier file is removed.
+  On resume from the checkpoint of step ``resume_from_step``, records of the steps after it are
+  dropped, so that a resumed run's file equals an uninterrupted one; on a fresh run (None) an
+  earlier file is removed.
   """
 
   def __init__(self, path: str, *, resume_from_step: int | None = None):
@@ -38,7 +41,7 @@ class JsonlFile:
     with _naming(path):
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
       if resume_from_step is not None and os.path.exists(path):
-        kept = [r for r in read_jsonl(path) if r["step"] < resume_from_step]
+        kept = [r for r in read_jsonl(path) if r["step"] <= resume_from_step]
         with open(path, "w") as f:
           f.writelines(json.dumps(r) + "\n" for r in kept)
       elif resume_from_step is None and os.path.exists(path):
@@ -150,10 +153,14 @@ def _naming(path: str):
 
 def read_metrics(path: str) -> list[dict]:
   """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``) under the logged
-  names, also for files written before them (:func:`rft_jax.train.metric_names.logged_names`)."""
+  names and step numbers, also for files written before them
+  (:func:`rft_jax.train.metric_names.logged_names`, :mod:`rft_jax.train.step_numbers`)."""
   if os.path.isdir(path):
     path = os.path.join(path, "metrics.jsonl")
-  return [logged_names(r) for r in read_jsonl(path)]
+  records = read_jsonl(path)
+  if counts_from_zero(records):
+    records = [renumbered(r) for r in records]
+  return [logged_names(r) for r in records]
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -174,3 +181,29 @@ def read_jsonl(path: str) -> list[dict]:
       warnings.warn(f"{path}, line {number}: dropped a torn last record (a crash while writing it)",
                     stacklevel=2)
   return records
+
+
+def read_run_records(run_dir: str, name: str) -> list[dict]:
+  """The records of ``RUN_DIR/name`` (one of :data:`~rft_jax.train.step_numbers.RUN_FILES`)
+  numbered as :mod:`rft_jax.train.step_numbers` says, whichever numbering the run was written in
+  (judged by its ``metrics.jsonl``)."""
+  records = read_jsonl(os.path.join(run_dir, name))
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  old = os.path.exists(metrics) and counts_from_zero(read_jsonl(metrics))
+  return [renumbered(r) for r in records] if old else records
+
+
+def renumber_run_files(run_dir: str) -> bool:
+  """Rewrites the step numbers of a run written before :mod:`rft_jax.train.step_numbers` (each
+  file replaced whole, ``metrics.jsonl``, by which the numbering is judged, last); returns whether
+  it did."""
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  if not (os.path.exists(metrics) and counts_from_zero(read_jsonl(metrics))):
+    return False
+  for name in (*RUN_FILES[1:], RUN_FILES[0]):
+    path = os.path.join(run_dir, name)
+    if os.path.exists(path):
+      with open(path + ".renumbered", "w") as f:
+        f.writelines(json.dumps(renumbered(r)) + "\n" for r in read_jsonl(path))
+      os.replace(path + ".renumbered", path)
+  return True

@@ -55,7 +55,7 @@ class Policy:
 
 def load_policy(source: str | TrainConfig, *, step: int | None = None, tokenizer: Any = None,
                 load: Callable[[str], Any] = load_hf, instruction: str | None = None,
-                system_prompt: str | None = None) -> Policy:
+                system_prompt: str | None = None, mesh: Any = None) -> Policy:
   """Loads a policy.
 
   Args:
@@ -66,13 +66,14 @@ def load_policy(source: str | TrainConfig, *, step: int | None = None, tokenizer
     tokenizer: the tokenizer to use (one already loaded); None: load the run's ``model.path``'s,
       or the Hugging Face directory's.
     load: reads a Hugging Face directory into a model (a run's config passes its dtypes and mesh);
-      a checkpoint is restored onto ``load_hf``'s model (:func:`rft_jax.train.checkpoint.restore_policy`).
+      a checkpoint is restored onto the run's mesh in its dtypes (:func:`rft_jax.train.checkpoint.restore_policy`).
     instruction / system_prompt: override the prompt settings' (None: keep them).
+    mesh: the mesh a run directory's checkpoint is restored onto (None: the run's).
   """
   if isinstance(source, TrainConfig):
     model, config, step = load(source.model.path), source, None
   elif os.path.exists(os.path.join(source, "checkpoints")):
-    model, config, step = restore_policy(source, step)
+    model, config, step = restore_policy(source, step, mesh)
   else:
     model, config, step = load(source), None, None
   if tokenizer is None:

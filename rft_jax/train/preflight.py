@@ -11,6 +11,7 @@ checks are separate):
   ``data.val_size``, leaving at least one batch of ``data.prompts_per_step``;
 * each ``eval.sets[i].path``: loads, when evaluation is on (``eval.every`` or ``eval.at_start``);
 * ``rewards.functions``: each imports; ``logging.wandb``: the wandb package is installed;
+* ``run_dir``: a directory, or one that can be made (no file in its place or above it);
 * ``learner.routing_replay``: the model is a mixture of experts;
 * the mesh: ``mesh.data x mesh.model`` fits ``n_devices``, and every micro-batch (so every
   step's prompts x samples) splits evenly over the data-parallel devices.
@@ -33,6 +34,7 @@ from rft_jax.models.safetensors_io import weight_map
 from rft_jax.models.tokenizer import check_tokenizer_files
 from rft_jax.rewards.user_functions import load_function
 from rft_jax.train.config import ConfigError, TrainConfig
+from rft_jax.train.output_paths import check_directory
 from rft_jax.train.resolve import mesh_axes
 
 
@@ -65,6 +67,7 @@ def validate_for_training(cfg: TrainConfig, n_devices: int) -> Inputs:
   eval_sets = check_eval_sets(cfg)
   check_reward_functions(cfg.rewards.functions)
   check_logging(cfg)
+  check_directory(cfg.run_dir, "run_dir")
   return Inputs(train, report, eval_sets)
 
 

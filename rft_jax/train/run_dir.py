@@ -7,7 +7,8 @@
   an earlier run's checkpoints or metrics unless ``overwrite`` (which deletes them); a resume
   compares the new config with the run's ``config.yaml`` and refuses changes that would make
   the run differ from an uninterrupted one (:data:`CHANGEABLE_ON_RESUME` lists what may
-  change), unless ``allow_config_change``; the old config is kept as ``config.<n>.yaml``.
+  change), unless ``allow_config_change``; the old config is kept as ``config.<n>.yaml``. A
+  resume of a run that already holds its ``steps`` changes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from omegaconf import OmegaConf
 
 from rft_jax.train.config import PATH_KEYS, TrainConfig, absolute_path, to_yaml
 from rft_jax.train.errors import RunDirError
+from rft_jax.train.metrics_log import renumber_run_files
 from rft_jax.train.renamed_keys import rename_keys
+from rft_jax.train.status import logger
 
 LOCK_FILE = "trainer.lock"
 # What a resumed run may change without --allow-config-change: how long it runs, where and how
@@ -80,14 +83,26 @@ def checkpoint_steps(run_dir: str) -> list[int]:
   return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
+def finished_steps(cfg: TrainConfig, *, resume: bool) -> int | None:
+  """The step of a resumed run's latest checkpoint when it reaches ``cfg.steps``: a run that has
+  nothing left to do if that checkpoint restores (a corrupt one falls back to an earlier step).
+  None otherwise, and without ``resume``."""
+  steps = checkpoint_steps(cfg.run_dir) if resume else []
+  return steps[-1] if steps and steps[-1] >= cfg.steps else None
+
+
 def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool = False,
-                    allow_config_change: bool = False) -> None:
+                    allow_config_change: bool = False, check_only: bool = False) -> None:
   """Makes ``cfg.run_dir`` ready for this run and writes its ``config.yaml`` (see the module
-  docstring). Raises :class:`RunDirError` (changing nothing) when it cannot be used as asked."""
+  docstring); a resumed run written before the step numbers of :mod:`rft_jax.train.step_numbers`
+  has its files renumbered. Raises :class:`RunDirError` (changing nothing) when it cannot be used
+  as asked. ``check_only`` (a resume of a run that may be finished, :func:`finished_steps`):
+  refuses what it would refuse and changes nothing."""
   run_dir = cfg.run_dir
   steps = checkpoint_steps(run_dir)
   metrics = os.path.join(run_dir, "metrics.jsonl")
   config_path = os.path.join(run_dir, "config.yaml")
+  changes = []
   if overwrite:
     for name in RUN_FILES + tuple(n for n in _listdir(run_dir) if n.startswith(("config.", "debug."))):
       path = os.path.join(run_dir, name)
@@ -110,8 +125,13 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool = False,
                         f"differs from its config.yaml in {listed}; the run would not repeat an "
                         f"uninterrupted one: pass --allow-config-change to resume anyway, or use a "
                         f"new run_dir")
-    if changes:
-      os.replace(config_path, _next_free(run_dir))
+  if check_only:
+    return
+  if changes:
+    os.replace(config_path, _next_free(run_dir))
+  if resume and steps and renumber_run_files(run_dir):
+    logger.info("renumbered the steps of %s's metrics and completions from 1 (step 0: the start), as "
+                "this version writes them", run_dir)
   os.makedirs(run_dir, exist_ok=True)
   with open(config_path, "w") as f:
     f.write(to_yaml(cfg))

@@ -53,7 +53,9 @@ def encode_pairs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Seq
 
 def sft(model: nnx.Module, ids: np.ndarray, response_mask: np.ndarray, attention: np.ndarray,
         config: SFTConfig, log: Callable[[int, float], None] | None = None) -> nnx.Module:
-  """Trains ``model`` in place on :func:`encode_pairs`' arrays; returns it."""
+  """Trains ``model`` in place on :func:`encode_pairs`' arrays; returns it. ``log`` is called
+  after each step with its number (from 1, as a run's steps: :mod:`rft_jax.train.step_numbers`)
+  and loss."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, config.warmup_steps, config.steps)
   optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=config.weight_decay), wrt=nnx.Param)
 
@@ -75,7 +77,7 @@ def sft(model: nnx.Module, ids: np.ndarray, response_mask: np.ndarray, attention
     loss = step(model, optimizer, jnp.asarray(ids[rows]), jnp.asarray(response_mask[rows]),
                 jnp.asarray(attention[rows]))
     if log is not None:
-      log(i, float(loss))
+      log(i + 1, float(loss))
   return model
 
 

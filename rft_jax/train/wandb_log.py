@@ -1,7 +1,7 @@
 """An optional Weights & Biases mirror of a run's metrics (``logging.wandb: true``).
 
 Every record :class:`~rft_jax.train.metrics_log.MetricsLog` writes goes to W&B as well, under
-the same names, with the run's step as the x-axis (``step``; -1 is the evaluation before
+the same names, with the run's step as the x-axis (``step``, from 1; 0 is the evaluation before
 training). The W&B run's id is kept in ``RUN_DIR/wandb_run_id`` so that a resumed training run
 continues the same W&B run; ``logging.wandb_mode: offline`` writes it under ``RUN_DIR/wandb``
 without a network. ``wandb`` is imported only here, only when asked for.

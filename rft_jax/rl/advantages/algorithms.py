@@ -83,10 +83,15 @@ class Algorithm:
     name: its ``learner.advantage`` value.
     needs_critic: the run trains a critic beside the policy (its parameters, AdamW state and
       step are part of the train state, its checkpoints and its memory).
+    takes_rejection: ``learner.rollout_correction.rejection`` may drop tokens after this
+      entry's advantages are made. False where the advantages would have to be made over the
+      kept tokens only (GAE's recursion and whitening, as verl rejects before them), which needs
+      the learner's pre-update log-probs before the advantages exist.
   """
 
   name: str
   needs_critic: bool = False
+  takes_rejection: bool = True
 
   def advantages(self, inputs: AdvantageInputs, n: int, learner, critic: CriticRun | None = None
                  ) -> StepAdvantages:
@@ -125,13 +130,13 @@ class Algorithm:
 @dataclasses.dataclass(frozen=True)
 class GroupEstimator(Algorithm):
   """A group-relative estimator of :data:`~rft_jax.rl.advantages.ADVANTAGE_ESTIMATORS`: one
-  advantage per completion from its group's rewards (``grpo`` with ``learner.advantage_eps``
-  and ``advantage_ddof``)."""
+  advantage per completion from its group's rewards. Every estimator is given the group
+  z-score's ``learner.advantage_eps`` and ``advantage_ddof``; those that divide by no standard
+  deviation (``drgrpo``, ``rloo``) ignore them, so no entry is told apart by its name."""
 
   def estimate(self, rewards, inputs, n, learner, critic) -> StepAdvantages:
-    options = ({"eps": learner.advantage_eps, "ddof": learner.advantage_ddof}
-               if self.name == "grpo" else {})
-    return StepAdvantages(compute_advantages(jnp.asarray(rewards), n, self.name, **options))
+    return StepAdvantages(compute_advantages(jnp.asarray(rewards), n, self.name, eps=learner.advantage_eps,
+                                             ddof=learner.advantage_ddof))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +147,7 @@ class Gae(Algorithm):
   loss on the same rollouts."""
 
   needs_critic: bool = True
+  takes_rejection: bool = False
 
   def estimate(self, rewards, inputs, n, learner, critic) -> StepAdvantages:
     values = critic.model.values(critic.state, inputs.input_ids, inputs.attention_mask)

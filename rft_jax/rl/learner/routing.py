@@ -110,7 +110,6 @@ class RouterTerms:
 
 
 _MISMATCH_KEYS = ("routing_mismatched", "routing_mismatched_layers", "routing_compared")
-ROUTER_KEYS = ("router_lb", "router_z", "router_forwards", "expert_load") + _MISMATCH_KEYS
 
 
 def live_expert_ids(router_logits, k: int):
@@ -154,11 +153,6 @@ def router_metrics(counts: dict[str, jax.Array]) -> dict[str, jax.Array]:
     metrics["router/routing_mismatch"] = counts["routing_mismatched"] / compared
     metrics["router/routing_mismatch_layers"] = counts["routing_mismatched_layers"] / (compared * layers)
   return metrics
-
-
-def router_counts_only(counts: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """The router entries of a step's merged counts."""
-  return {k: v for k, v in counts.items() if k in ROUTER_KEYS}
 
 
 def router_terms(model, config) -> RouterTerms | None:
