@@ -1,23 +1,22 @@
 """``rft-jax plan --command eval|export``: will the commands run after training fit the run's mesh?
 
-Both restore a checkpoint the way :func:`rft_jax.train.checkpoint.restore_policy` does: the run's
-whole train state (:func:`rft_jax.train.run_state.run_state`, its optimizer state and PPO's critic
-included) read straight into its shards on the run's mesh, in its dtypes; a LoRA run's policy is
-then merged (a copy of the targeted weights). Then
+Both restore a checkpoint the way :func:`rft_jax.train.checkpoint.restore_policy` does: the
+policy's parameters of the run's train state (:func:`rft_jax.train.run_state.run_state`) read
+straight into their shards on the run's mesh, in the run's dtypes, and nothing else (neither AdamW's
+moments nor PPO's critic); a LoRA run's policy is then merged (a copy of the targeted weights). Then
 
 * ``export`` writes the Hugging Face tensors one at a time (:func:`rft_jax.models.hf.save_hf`), in
   the source checkpoint's dtype as ``export`` does by default: a tensor is cast to it on the devices (a sharded copy, at most the largest
   parameter's shard) and gathered to the host alone, so the host holds one tensor at a time (the
   largest Hugging Face tensor's bytes, reported);
-* ``eval`` samples with the restored policy alone (the optimizer state is freed once the policy
-  is returned): the sampler's call is compiled as ``rft-jax plan`` compiles the rollouts', at
+* ``eval`` samples with the restored policy: the sampler's call is compiled as ``rft-jax plan`` compiles the rollouts', at
   ``evaluate``'s 64 prompts per call, ``--k`` samples each (``rft-jax eval``'s default 8) and the
   run's ``eval.max_new_tokens`` (else ``sampling.max_new_tokens``). The answer entropy's forward,
   a chunk of the evaluation's rows at a time, is smaller than the sampler's KV cache and is not
   compiled.
 
-A command's peak per device is the larger of its restore (the state, plus the merged copy) and
-what follows it.
+A command's peak per device is the larger of its restore (the parameters, plus the merged copy)
+and what follows it.
 """
 
 from __future__ import annotations
@@ -62,11 +61,9 @@ def plan_command(cfg: TrainConfig, topo: Topology, command: str, progress: Calla
     graphdef, state, lora_resident = _merged_sampler_state(config, state)
     adapters = _bytes_per_device(nnx.state(built.model, nnx.LoRAParam))
     merged_bytes = lora_resident - adapters
-  restore = {"state_bytes": _bytes_per_device(built.state), "merged_bytes": merged_bytes,
-             "parameter_bytes": _bytes_per_device(policy.params),
-             "optimizer_state_bytes": _bytes_per_device(policy.opt_state),
-             "critic_state_bytes": 0 if built.critic is None else _bytes_per_device(built.state.critic)}
-  restore["total_bytes"] = restore["state_bytes"] + merged_bytes
+  restore = {"parameter_bytes": _bytes_per_device(policy.params), "merged_bytes": merged_bytes,
+             "not_read_bytes": _bytes_per_device(built.state) - _bytes_per_device(policy.params)}
+  restore["total_bytes"] = restore["parameter_bytes"] + merged_bytes
   report = {"command": command, "topology": topo.name, "devices": len(topo.devices),
             "device_kind": topo.devices[0].device_kind, "mesh": {"data": data, "model": model_axis},
             "hbm_bytes_per_device": topo.hbm_bytes,
@@ -110,14 +107,14 @@ def format_command_report(report: dict[str, Any]) -> str:
   r, mesh = report["restore"], report["mesh"]
   lines = [f"{report['topology']}: {report['devices']} x {report['device_kind']}, "
            f"{g(report['hbm_bytes_per_device'])} GiB each; mesh data={mesh['data']} model={mesh['model']}",
-           f"restore  the train state ({report['model']['param_dtype']} parameters {g(r['parameter_bytes'])} + "
-           f"optimizer {g(r['optimizer_state_bytes'])} + critic {g(r['critic_state_bytes'])} GiB), sharded"
-           + (f", + the merged LoRA weights {g(r['merged_bytes'])} GiB" if report["model"]["lora"] else "")
-           + f" = {g(r['total_bytes'])} GiB"]
+           f"restore  the policy's {report['model']['param_dtype']} parameters, sharded: {g(r['parameter_bytes'])} GiB"
+           + (f" + the merged LoRA weights {g(r['merged_bytes'])} = {g(r['total_bytes'])} GiB"
+              if report["model"]["lora"] else "")
+           + f" (the optimizer state and a critic, {g(r['not_read_bytes'])} GiB, not read)"]
   if report["command"] == "export":
     e = report["export"]
     lines.append(f"export   one tensor at a time: its cast on the devices, at most {g(e['largest_shard_bytes'])} "
-                 f"GiB per device beside the state = {g(e['total_bytes'])} GiB; the host holds one tensor, at most "
+                 f"GiB per device beside the parameters = {g(e['total_bytes'])} GiB; the host holds one tensor, at most "
                  f"{g(e['host_bytes'])} GiB")
   else:
     s = report["sampler"]

@@ -140,19 +140,21 @@ class RunCheckpointer:
     self._pending = step
 
   def restore(self, template: Any, step: int | None = None, *,
-              move_corrupt: bool = True) -> tuple[Any, dict, int]:
-    """Restores the state onto ``template``'s shapes, dtypes and shardings.
+              move_corrupt: bool = True, part: tuple[str, ...] = ()) -> tuple[Any, dict, int]:
+    """Restores the state onto ``template``'s shapes, dtypes and shardings (abstract or concrete).
 
     Without ``step``, the latest checkpoint that restores and matches its checksums: a
     failing one is skipped with a warning naming its step and, with ``move_corrupt`` (a
-    trainer about to save again), moved to ``checkpoints.corrupt/``.
+    trainer about to save again), moved to ``checkpoints.corrupt/``. ``part``: the attribute
+    path of the one subtree to read (``("params",)``: the parameters alone, no optimizer state),
+    returned instead of the whole state; nothing else is read from disk.
     """
     if step is not None:
-      return self._restore(template, step)
+      return self._restore(template, step, part)
     failures = []
     for candidate in sorted(self.all_steps(), reverse=True):
       try:
-        return self._restore(template, candidate)
+        return self._restore(template, candidate, part)
       except CorruptCheckpointError as exc:
         failures.append(str(exc))
         if move_corrupt:
@@ -165,25 +167,38 @@ class RunCheckpointer:
       raise CorruptCheckpointError("no checkpoint restores: " + "; ".join(failures))
     raise FileNotFoundError(f"no checkpoint in {self.directory}")
 
-  def _restore(self, template: Any, step: int) -> tuple[Any, dict, int]:
+  def _restore(self, template: Any, step: int, part: tuple[str, ...] = ()) -> tuple[Any, dict, int]:
     path = os.path.join(self.directory, str(step))
     if step not in self.all_steps():
       raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}")
+    for name in part:
+      template = getattr(template, name)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    if part:  # orbax's partial restore: the subtree at its path in the saved state, nothing else
+      item = abstract
+      for name in reversed(part):
+        item = {name: item}
+      state_args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                          partial_restore=True)
+    else:
+      state_args = ocp.args.StandardRestore(abstract)
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
     except Exception as exc:  # orbax / tensorstore raise many kinds on torn files
       raise CorruptCheckpointError(f"checkpoint {path} (step {step}) does not restore: "
                                    f"{_root_cause(exc)}") from exc
+    state = restored.state
+    for name in part:
+      state = state[name]
     meta = dict(restored.meta)
     expected = meta.pop("checksums", None)
     if expected is not None:
-      bad = [k for k, v in state_checksums(restored.state).items() if expected.get(k) != v]
+      prefix = "".join(f".{name}" for name in part)  # the subtree's keys in the whole state's
+      bad = [prefix + k for k, v in state_checksums(state).items() if expected.get(prefix + k) != v]
       if bad:
         raise CorruptCheckpointError(f"checkpoint {path} (step {step}) fails its checksum in "
                                      f"{len(bad)} array(s), e.g. state{bad[0]}")
-    return restored.state, meta, step
+    return state, meta, step
 
   def _move_aside(self, step: int) -> None:
     if is_main_process():
@@ -291,26 +306,27 @@ def _writing(what: str):
 
 def restore_policy(run_dir: str, step: int | None = None, mesh=None):
   """The policy of a run's checkpoint, restored onto ``mesh`` (default: the run's ``mesh``
-  section on this process's devices) in the run's dtypes: the abstract state of
-  :func:`rft_jax.train.run_state.run_state` is the restore's target, so each array is read
-  directly into its shards, never through an unsharded float32 copy. A PPO run's critic is
-  restored with it and dropped; a LoRA run's policy comes back merged (a plain model, its targeted
-  weights ``W + alpha/r A B`` computed on the mesh, shard by shard).
+  section on this process's devices) in the run's dtypes: the parameters of the abstract state of
+  :func:`rft_jax.train.run_state.run_state` are the restore's target, so each array is read
+  directly into its shards, never through an unsharded float32 copy, and nothing else is read
+  (AdamW's moments, a PPO run's critic). A LoRA run's policy comes back merged (a plain model, its
+  targeted weights ``W + alpha/r A B`` computed on the mesh, shard by shard).
 
   Returns:
     ``(model, config, step)``: the policy, the run's config and the step restored.
   """
-  from rft_jax.rl.advantages.critic import ActorCriticState
+  import dataclasses
+
   from rft_jax.train.config import load_config
   from rft_jax.train.run_state import run_mesh, run_state
 
   cfg = load_config(os.path.join(run_dir, "config.yaml"))
   built = run_state(cfg, run_mesh(cfg) if mesh is None else mesh)
+  policy = built.state if built.critic is None else built.state.policy
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  try:
-    state, _, restored = checkpointer.restore(built.state, step, move_corrupt=False)
+  try:  # the policy's parameters alone: neither AdamW's moments nor a critic is read
+    params, _, restored = checkpointer.restore(built.state, step, move_corrupt=False,
+                                               part=("params",) if built.critic is None else ("policy", "params"))
   finally:
     checkpointer.close()
-  if isinstance(state, ActorCriticState):
-    state = state.policy
-  return built.learner.model(state), cfg, restored
+  return built.learner.model(dataclasses.replace(policy, params=params)), cfg, restored
