@@ -2,7 +2,7 @@
 
 The setting of issue 59: float32 logits drawn N(0, 2) per entry (numpy seed 0), ``--positions``
 positions (256 up to a vocabulary of 4,096, 32 above unless given) and random sampled tokens;
-``token_stats`` in one chunk (``chunk_size=None``) and in chunks of 8 positions (the multi-chunk
+``token_stats``' autodiff reference (``chunk_size=None``) and chunks of 8 positions (the multi-chunk
 path the learner takes at scale), under jit; the largest absolute error over the positions of
 log p, H, S_* and E_p[S] against the float64 values of the same float32 logits. Beside them the
 entropy of verl 0.9.1's and TRL 1.16.0's float32 ``entropy_from_logits`` (transcribed in
@@ -40,7 +40,7 @@ def errors(vocab: int, positions: int) -> dict[str, list[float]]:
   log_pk = ref["logp"][rows, tokens]
   want = (log_pk, ref["h"], np.exp(log_pk) * (ref["h"] + log_pk), ref["e_s"])
   out = {}
-  for name, chunk in (("one chunk", None), ("chunks of 8", 8)):
+  for name, chunk in (("reference", None), ("chunks of 8", 8)):
     got = jax.jit(lambda z, t, c=chunk: token_stats(z, t, chunk_size=c))(jnp.asarray(z), jnp.asarray(tokens, jnp.int32))
     out[name] = [float(np.abs(np.asarray(getattr(got, s), np.float64) - w).max()) for s, w in zip(STATS, want)]
   for name, fn in (("verl", verl_entropy_from_logits), ("TRL", trl_entropy_from_logits)):
@@ -60,9 +60,9 @@ def main() -> None:
   for vocab in args.vocab:
     positions = args.positions or (256 if vocab <= 4096 else 32)
     out = errors(vocab, positions)
-    for path in ("one chunk", "chunks of 8"):
+    for path in ("reference", "chunks of 8"):
       logp, h, s_star, expected_s = out[path]
-      peers = f"{out['verl'][0]:.1e} | {out['TRL'][0]:.1e}" if path == "one chunk" else " | "
+      peers = f"{out['verl'][0]:.1e} | {out['TRL'][0]:.1e}" if path == "reference" else " | "
       print(f"| {vocab:,} ({positions} positions) | {path} | {h:.1e} | {logp:.1e} | {s_star:.1e} | "
             f"{expected_s:.1e} | {peers} |", flush=True)
 
