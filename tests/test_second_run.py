@@ -162,3 +162,21 @@ def test_export_refuses_a_file_a_non_empty_directory_and_a_missing_step(finished
   assert out.strip() == f"exported step 1 of {run_dir} to {full} (float32)"
   assert "model.safetensors" in os.listdir(full) and "notes.txt" not in os.listdir(full)
   assert not os.path.exists(f"{full}.exporting")
+
+
+def test_eval_attribute_and_filter_outputs_under_a_file_are_refused_before_loading(finished, setup, tmp_path,
+                                                                                   monkeypatch):
+  """``eval --histogram / --save-completions``, ``attribute --out`` and ``filter --out`` whose place a
+  file takes: one line, exit 2, before the model loads (it would fail the test if it did)."""
+  from rft_jax.train import policy
+
+  monkeypatch.setattr(policy, "load_policy", lambda *a, **k: pytest.fail("loaded the model before the check"))
+  blocker = tmp_path / "file"
+  blocker.write_text("mine\n")
+  data = str(setup[2])
+  for command, option, extra in (("eval", "--histogram", []), ("eval", "--save-completions", []),
+                                 ("attribute", "--out", []), ("filter", "--out", ["--low", "0.1", "--high", "0.9"])):
+    target = blocker / "x" if command != "filter" else blocker
+    code, _, err = run_cli([command, "--model", str(finished[0]), "--data", data, option, str(target), *extra])
+    line = one_line_error(err, command)
+    assert code == 2 and line.startswith(f"rft-jax {command}: error: {option} {target}: ") and "is a file" in line, line

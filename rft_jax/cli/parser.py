@@ -71,8 +71,9 @@ exit status (every command; the error is one line on standard error):
           identity above its bound; build-kernels: the build failed
   2       invalid input, found before anything runs: an unknown option or key, a bad config value
           or option value, a missing or malformed file (config, data, model directory, run
-          directory), an output path a file stands in (run_dir, export's OUT, plot --out) or a
-          non-empty export directory, a reward function that does not import
+          directory), an output path a file stands in (run_dir, export's OUT, plot, attribute and
+          filter --out, eval --histogram / --save-completions) or a non-empty export directory, a
+          --mesh the devices cannot make, a reward function that does not import
   128+N   stopped by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing the step"""
 
 

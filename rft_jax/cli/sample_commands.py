@@ -106,7 +106,9 @@ def attribute_command(args: argparse.Namespace) -> int:
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.rl.token_methods import configured_class
   from rft_jax.train.config import ConfigError
+  from rft_jax.train.output_paths import check_file
 
+  check_file(args.out, "--out")
   try:
     classes = load_function(args.token_classes, "--token-classes") if args.token_classes else character_class
   except ValueError as exc:
@@ -137,6 +139,11 @@ def attribute_command(args: argparse.Namespace) -> int:
 def eval_command(args: argparse.Namespace) -> int:
   import json
 
+  from rft_jax.train.output_paths import check_file
+
+  for path, option in ((args.histogram, "--histogram"), (args.save_completions, "--save-completions")):
+    if path:  # before anything loads: a file in the way is one line, not a traceback after sampling
+      check_file(path, option)
   problems, result = sample_problems(args, completions=bool(args.save_completions))
   summary = {f"avg@{args.k}": result["avg"], f"pass@{args.k}": result["pass"], "problems": len(problems)}
   if args.save_completions:
@@ -156,7 +163,9 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def filter_command(args: argparse.Namespace) -> int:
   from rft_jax.data.filter import pass_rate_filter, write_filtered
+  from rft_jax.train.output_paths import check_directory
 
+  check_directory(args.out, "--out")
   problems, result = sample_problems(args)
   kept, rates = pass_rate_filter(problems, result["correct"], low=args.low, high=args.high)
   kept_path, _ = write_filtered(args.out, problems, rates, kept)
