@@ -31,14 +31,10 @@ from flax import nnx
 
 from rft_jax.models import hf_keys
 from rft_jax.models.hf import checkpoint_dtype
-from rft_jax.parallel import make_mesh
-from rft_jax.plan.fit import _bytes_per_device, _merged_sampler_state, _plan_sampler
+from rft_jax.plan.fit import _bytes_per_device, _merged_sampler_state, _plan_sampler, planned_state
 from rft_jax.plan.topology import GiB, Topology
 from rft_jax.train.config import TrainConfig
-from rft_jax.train.resolve import mesh_axes
-from rft_jax.train.run_state import model_config, run_state
 
-COMMANDS = ("train", "eval", "export")
 EVAL_PROMPTS_PER_CALL = 64  # rft_jax.train.evaluate.evaluate's batch_prompts
 EVAL_K = 8  # rft-jax eval's --k
 
@@ -50,10 +46,7 @@ def plan_command(cfg: TrainConfig, topo: Topology, command: str, progress: Calla
   ``fits``."""
   if command not in ("eval", "export"):
     raise ValueError(f"plan_command: {command!r} is not eval or export")
-  config = model_config(cfg)
-  data, model_axis = mesh_axes(cfg, len(topo.devices))
-  mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
-  built = run_state(cfg, mesh)
+  config, mesh, built = planned_state(cfg, topo)
   policy = built.state if built.critic is None else built.state.policy
   graphdef, state = nnx.split(built.model)
   merged_bytes = 0
@@ -61,11 +54,12 @@ def plan_command(cfg: TrainConfig, topo: Topology, command: str, progress: Calla
     graphdef, state, lora_resident = _merged_sampler_state(config, state)
     adapters = _bytes_per_device(nnx.state(built.model, nnx.LoRAParam))
     merged_bytes = lora_resident - adapters
-  restore = {"parameter_bytes": _bytes_per_device(policy.params), "merged_bytes": merged_bytes,
-             "not_read_bytes": _bytes_per_device(built.state) - _bytes_per_device(policy.params)}
+  parameter_bytes = _bytes_per_device(policy.params)
+  restore = {"parameter_bytes": parameter_bytes, "merged_bytes": merged_bytes,
+             "not_read_bytes": _bytes_per_device(built.state) - parameter_bytes}
   restore["total_bytes"] = restore["parameter_bytes"] + merged_bytes
   report = {"command": command, "topology": topo.name, "devices": len(topo.devices),
-            "device_kind": topo.devices[0].device_kind, "mesh": {"data": data, "model": model_axis},
+            "device_kind": topo.devices[0].device_kind, "mesh": dict(mesh.shape),
             "hbm_bytes_per_device": topo.hbm_bytes,
             "model": {"model_type": config.model_type, "param_dtype": cfg.model.param_dtype,
                       "lora": config.lora is not None},
@@ -74,11 +68,15 @@ def plan_command(cfg: TrainConfig, topo: Topology, command: str, progress: Calla
     written = jnp.dtype(checkpoint_dtype(cfg.model.path) or cfg.model.param_dtype)  # as export writes
     flat = dict(nnx.to_flat_state(state))
     tensors = hf_keys.expected_tensors(config.replace(lora=None)).values()
-    # One tensor's cast: its share of its stacked parameter's shard (the stacking axes, layers and
-    # experts, are indexed away), in the written dtype.
-    largest_shard = max(
-        _bytes_per_device([flat[t.rule.nnx].get_value()]) * math.prod(t.hf_shape) // flat[t.rule.nnx].get_value().size
-        * written.itemsize // flat[t.rule.nnx].get_value().dtype.itemsize for t in tensors)
+
+    def cast_shard_bytes(tensor) -> int:
+      """One tensor's cast: its share of its stacked parameter's shard (the stacking axes, layers
+      and experts, are indexed away), in the written dtype."""
+      stacked = flat[tensor.rule.nnx].get_value()
+      share = _bytes_per_device([stacked]) * math.prod(tensor.hf_shape) // stacked.size
+      return share * written.itemsize // stacked.dtype.itemsize
+
+    largest_shard = max(map(cast_shard_bytes, tensors))
     host = max(math.prod(t.hf_shape) for t in tensors) * written.itemsize
     report["export"] = {"largest_shard_bytes": largest_shard, "host_bytes": host,
                         "total_bytes": restore["total_bytes"] + largest_shard}

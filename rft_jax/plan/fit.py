@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model
@@ -48,7 +48,7 @@ from rft_jax.sampling.continuous import PoolSpec, pool_for
 from rft_jax.sampling.loop import LoopSpec, cache_slots, loop_for
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.resolve import mesh_axes, sampling_params
-from rft_jax.train.run_state import model_config, run_state
+from rft_jax.train.run_state import RunState, model_config, run_state
 
 
 def _bytes_per_device(tree) -> int:
@@ -86,16 +86,21 @@ def _memory(compiled, hbm: int, resident: int = 0) -> dict[str, Any]:
           "resident_bytes": resident, "total_bytes": total, "fits": total <= hbm}
 
 
+def planned_state(cfg: TrainConfig, topo: Topology) -> tuple[QwenConfig, Mesh, RunState]:
+  """What every plan of ``cfg`` on ``topo`` starts from: the run's model config, its mesh on the
+  topology's devices and its abstract state there (:func:`rft_jax.train.run_state.run_state`)."""
+  data, model_axis = mesh_axes(cfg, len(topo.devices))
+  mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
+  return model_config(cfg), mesh, run_state(cfg, mesh)
+
+
 def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
          sampler: bool = True) -> dict[str, Any]:
   """Compiles the run's learner step and sampler for ``topo``; returns the JSON-able report
   (see the module docstring; per-device bytes, ``fits`` per program and overall).
   ``progress`` is called with a line before and after each compilation (minutes at 7B).
   ``sampler=False`` compiles the learner step only (the report's ``sampler`` is None)."""
-  config = model_config(cfg)
-  data, model_axis = mesh_axes(cfg, len(topo.devices))
-  mesh = make_mesh(data=data, model=model_axis, devices=topo.devices)
-  built = run_state(cfg, mesh)  # abstract: the state the run trains, laid out on the topology
+  config, mesh, built = planned_state(cfg, topo)  # abstract: the state the run trains, on the topology
   graphdef, state = nnx.split(built.model)
   parameters = parameter_report(state, config)
   learner = built.learner
@@ -150,7 +155,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
   return {
       "topology": topo.name, "devices": len(topo.devices),
       "device_kind": topo.devices[0].device_kind,
-      "mesh": {"data": data, "model": model_axis}, "hbm_bytes_per_device": topo.hbm_bytes,
+      "mesh": dict(mesh.shape), "hbm_bytes_per_device": topo.hbm_bytes,
       "model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
                 "hidden_size": config.hidden_size, "dtype": cfg.model.dtype,
                 "experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,
@@ -162,7 +167,7 @@ def plan(cfg: TrainConfig, topo: Topology, progress=lambda message: None, *,
       "parameters": parameters,
       "learner": learner_report, "critic": critic_report, "sampler": sampler_report,
       "fits": all(r["fits"] for r in (learner_report, critic_report, sampler_report) if r is not None),
-      "warnings": layout_warnings(config, model_axis),
+      "warnings": layout_warnings(config, mesh.shape[MODEL_AXIS]),
   }
 
 

@@ -23,7 +23,7 @@ mesh, never through an unsharded float32 copy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -57,11 +57,9 @@ def load_model(cfg: TrainConfig, path: str, mesh: Mesh | None) -> nnx.Module:
   return load_hf(path, mesh=mesh, **model_options(cfg))
 
 
-def abstract_policy(cfg: TrainConfig, mesh: Mesh, *, lora: bool = True) -> nnx.Module:
-  """The run's policy as abstract arrays with their shardings on ``mesh`` (``lora=False``: without
-  adapters, the critic's decoder)."""
-  config = model_config(cfg)
-  graphdef, state = nnx.split(abstract_model(config if lora else config.replace(lora=None)))
+def _laid_out(module: nnx.Module, mesh: Mesh) -> nnx.Module:
+  """An abstract module with each array's sharding on ``mesh`` (by its logical axes)."""
+  graphdef, state = nnx.split(module)
   return nnx.merge(graphdef, with_shardings(state, state_shardings(state, mesh)))
 
 
@@ -83,17 +81,16 @@ class RunState:
   critic: Critic | None = None
 
 
-def run_state(cfg: TrainConfig, mesh: Mesh, policy: nnx.Module | None = None, *,
-              load: Callable[[str], nnx.Module] | None = None) -> RunState:
+def run_state(cfg: TrainConfig, mesh: Mesh, policy: nnx.Module | None = None) -> RunState:
   """The run's state on ``mesh``.
 
   Args:
     cfg: the run's config.
     mesh: the run's mesh (or one the user names): every array is laid out on it.
     policy: the starting policy, loaded on ``mesh`` with :func:`load_model` (a training run: the
-      state is concrete, its reference and critic loaded with ``load``); None: the abstract state
-      (to restore a checkpoint onto, or to compile for devices this process does not have).
-    load: reads ``model.ref_path`` / ``model.critic_path`` (default :func:`load_model` on ``mesh``).
+      state is concrete, ``model.ref_path`` / ``model.critic_path`` loaded the same way); None: the
+      abstract state (to restore a checkpoint onto, or to compile for devices this process does
+      not have).
 
   Returns:
     The :class:`RunState`; a concrete one's train state owns the policy's arrays (the step donates
@@ -101,7 +98,9 @@ def run_state(cfg: TrainConfig, mesh: Mesh, policy: nnx.Module | None = None, *,
   """
   if policy is None:
     return _abstract_run_state(cfg, mesh)
-  load = load or (lambda path: load_model(cfg, path, mesh))
+  def load(path: str) -> nnx.Module:
+    return load_model(cfg, path, mesh)
+
   reference = load(cfg.model.ref_path) if cfg.model.ref_path and cfg.learner.kl_coef > 0 else None
   critic = critic_state = None
   if cfg.learner.algorithm.needs_critic:  # a copy of the starting policy's decoder (or model.critic_path)
@@ -122,14 +121,13 @@ def run_state(cfg: TrainConfig, mesh: Mesh, policy: nnx.Module | None = None, *,
 
 def _abstract_run_state(cfg: TrainConfig, mesh: Mesh) -> RunState:
   """:func:`run_state`'s abstract state: the same structure, dtypes and shardings, no array."""
-  policy = abstract_policy(cfg, mesh)
+  config = model_config(cfg)
+  policy = _laid_out(abstract_model(config), mesh)
   learner = Learner(policy, cfg.learner, mesh=mesh)
   state = learner.abstract_state(nnx.state(policy, nnx.Param))
   critic = None
-  if cfg.learner.algorithm.needs_critic:
-    value_model = nnx.eval_shape(lambda: ValueModel(model_config(cfg).replace(lora=None), rngs=nnx.Rngs(0)))
-    graphdef, abstract = nnx.split(value_model)
-    value_model = nnx.merge(graphdef, with_shardings(abstract, state_shardings(abstract, mesh)))
+  if cfg.learner.algorithm.needs_critic:  # the policy's decoder without adapters, as training's
+    value_model = _laid_out(nnx.eval_shape(lambda: ValueModel(config.replace(lora=None), rngs=nnx.Rngs(0))), mesh)
     critic = Critic(value_model, cfg.critic, mesh=mesh)
     state = ActorCriticState(policy=state, critic=critic.abstract_state(nnx.state(value_model, nnx.Param)))
   return RunState(policy, learner, state, critic)
