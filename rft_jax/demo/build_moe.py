@@ -2,8 +2,9 @@
 with each feed-forward block a Qwen3-MoE block of 8 experts, top-2, warm-started the same way (the
 same tokenizer, the same careless teacher's worked answers, ``rft-jax sft``'s code, the dense
 model's 2400 steps of 64 examples) and saved in Hugging Face form (``model_type: qwen3_moe``) as
-package data beside the dense one. The shipped checkpoint is this build (65 minutes on 2 busy CPU
-cores, 2026-11-29, final loss 0.024; held-out Avg@4 0.746, which GRPO lifts: docs/results/demo.md).
+package data beside the dense one. The shipped checkpoint is this build (its time, final loss
+and held-out Avg@4, which GRPO lifts:
+docs/results/demo.md#the-mixture-of-experts-variants-issue-54).
 
     python -m rft_jax.demo.build_moe --out rft_jax/demo/moe_checkpoint
 

@@ -13,7 +13,8 @@ METHODS: dict[str, tuple[str, ...]] = {
     # The released cuts (Clip_B mu- = 2.5, Clip_V mu- = 8.5, negative samples only). Clip_V's
     # cap on the masked share is raised from the released 1e-4, sized for batches of millions
     # of tokens, which would allow less than one token of a ~2,700-token demo batch; at 2% it
-    # does not bind (the cut masks ~0.4%: benchmarks/analysis/demo_mask_forecast.py).
+    # does not bind (the cut masks far less: the tokens % column of
+    # docs/results/demo.md#every-method-on-the-demo).
     "clip_b": ("learner.entropy_mask.kind=clip_b",),
     "clip_v": ("learner.entropy_mask.kind=clip_v", "learner.entropy_mask.max_frac=0.02"),
     # The paper's Table 3 comparisons (rft_jax.rl.token_methods). Clip-Cov and KL-Cov keep verl's

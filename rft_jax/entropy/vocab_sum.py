@@ -8,7 +8,8 @@ of :math:`V` terms passes through up to :math:`V - 1` additions, and the error b
 2nd ed., §4.2): about :math:`9 \times 10^{-3}` of the terms' magnitude at Qwen's 151,936
 entries. That is what a variadic ``lax.reduce`` gives on XLA:CPU, which emits it as one loop per
 row (it vectorises single-output reductions only): the chunked token statistics' entropy was
-50x less accurate at Qwen's vocabulary than with separate sums (issue 59).
+far less accurate at Qwen's vocabulary than with separate sums (issue 59; figures:
+``docs/results/precision.md``).
 
 :func:`vocab_sums` fixes the order instead of leaving it to the backend: consecutive blocks of
 :math:`b` entries (:func:`vocab_block`, at most 128) are summed in one pass (one read of the terms,

@@ -21,10 +21,10 @@ namespace {
 
 // One vector register's worth of floats: 16 lanes with AVX-512, 8 with AVX, 4 else (the build's
 // target decides: x86-64-v3, 8 lanes, or x86-64-v2, 4). Wider generic vectors than the registers
-// (16 lanes on an AVX2 machine) compile to spills and lane-by-lane inserts: the kernel ran 2-3x
-// slower that way (benchmarks/speed/cpu_attention.py). Each lane's sums run in the same order at
-// any width, and softmax_live sums its normaliser by 16 lanes, so the results do not depend on
-// the width (nor on FMA: the build passes -ffp-contract=off).
+// (16 lanes on an AVX2 machine) compile to spills and lane-by-lane inserts, and the kernel ran
+// slower than XLA's attention (docs/results/cpu.md#register-wide-vectors). Each lane's sums run
+// in the same order at any width, and softmax_live sums its normaliser by 16 lanes, so the
+// results do not depend on the width (nor on FMA: the build passes -ffp-contract=off).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #elif defined(__AVX__)
@@ -90,11 +90,11 @@ constexpr int64_t kSpanAlign = 16;
 // kBlock floats read once for both. Each row's next kBlock floats are prefetched: for the scores
 // (scores_two) the rows are the H key rows, a cache length apart, read a block of slots at a
 // time: H streams, more than the hardware prefetcher follows. Fetching them a block ahead made a
-// layer's attention 11-18% faster (cpu_attention.py says where); two or four blocks ahead gained
-// less, and fetching the value rows eight slots ahead lost. (Fetching the next (row, key head)
-// pair's rows meanwhile, as the 16-lane kernel did, made it no faster once the loop stopped
-// spilling.) Tiled keys make the H rows of a block one stretch of memory instead, which the
-// hardware prefetcher follows: a layer about 15% faster again (cpu_attention.py).
+// layer's attention faster; two or four blocks ahead gained less, and fetching the value rows
+// eight slots ahead lost. (Fetching the next (row, key head) pair's rows meanwhile, as the 16-lane
+// kernel did, made it no faster once the loop stopped spilling.) Tiled keys make the H rows of a
+// block one stretch of memory instead, which the hardware prefetcher follows: faster again.
+// Figures: docs/results/cpu.md#prefetching-the-key-rows-a-block-ahead and #tiled-keys.
 void two_weighted_sums(const float* rows, int64_t stride, int64_t count, const float* w0,
                        const float* w1, float* out0, float* out1) {
   fvec a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};

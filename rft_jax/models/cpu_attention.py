@@ -2,9 +2,8 @@ r"""A decode step's attention on CPU as one compiled kernel (``cpu_attention.cc`
 custom call): what :func:`rft_jax.models.feature_major.attend` computes, faster.
 
 XLA:CPU runs that step's attention as a few small fusions: the score sum over ``H`` on one
-thread, every cache slot read (live or not, up to the cache's length). On the peers' large model
-(32 rows, 176 slots, two cores) attention is about a quarter of a decode step
-(``python benchmarks/speed/decode_layout.py``). The kernel reads each row's cache only from its
+thread, every cache slot read (live or not, up to the cache's length); on the peers' large model
+that is a large share of a decode step. The kernel reads each row's cache only from its
 first to its last live slot (a left-padded prompt's padding and the slots not yet written are
 skipped, as a paged cache would), accumulates the scores along contiguous slots, and splits the
 rows over XLA's intra-op thread pool. Per (row, key head) pair, with ``s`` over the live
@@ -15,43 +14,28 @@ slots::
   out[g, :]    = sum_s p[g, s] v[s, :]
 
 in float32, as ``attend`` does; only the summation order and ``exp`` (a polynomial good to about
-2e-7) differ (``tests/test_cpu_attention.py`` compares them). On that model the decode step's
-attention takes 7.0 ms of 39.5 where ``attend`` takes 12.0 of 44.5 (``python
-benchmarks/speed/decode_layout.py --rounds 5``, medians, 2026-11-27: 64 steps after 48 prompt slots;
-``python benchmarks/speed/cpu_attention.py`` times one layer's call). The key rows a score block
-reads lie a cache length apart, more streams than the hardware prefetcher follows, so the kernel
-fetches each one a block ahead. On an AVX-512 EPYC (2026-11-27, quiet; ``python
-benchmarks/speed/cpu_attention.py --rows R --slots 1072 --live N --rounds 15 --against
-before.cc``, the kernel without it, in the same rounds; the same bits): a layer of the large model
-took 0.52-0.58 ms against 0.63-0.65 at 8 rows and 560 generated tokens, 1.95 against 2.29 at 64
-rows and 200, 0.13 against 0.16 at one row and 900. The peers' small model's decode step at 8 rows
-after 600 prompt slots took 2.7-3.2 ms against 3.0-3.2 (``python
-benchmarks/speed/cpu_decode_step.py --model small --rows 8 --prompt 600 --kinds step``, three runs
-each, alternated).
+2e-7) differ (``tests/test_cpu_attention.py`` compares them). The key rows a score block reads
+lie a cache length apart, more streams than the hardware prefetcher follows, so the kernel
+fetches each one a block ahead. Figures (the step's attention against ``attend``'s, the
+prefetch, the tiles, the vector width, the build target), each with its command and date:
+``docs/results/cpu.md#the-decode-attention-kernel``.
 
 The continuous sampler's pool holds its keys **tiled** (:func:`tile_keys`: ``[B, K, S / 64, H,
 64]``, the 64 slots of every feature contiguous), which the kernel also reads: a block of slots
 is then one stretch of 16 KiB instead of ``H`` rows a cache length apart (more streams than the
-prefetcher follows, each in its own page). A layer of the large model at 64 rows, 1,088 slots
-and 200 generated tokens took 1.76 ms against 2.07 untiled, and 0.66 against 0.72 at 128 slots
-and 24 generated (2026-11-28, AVX-512 EPYC; ``python benchmarks/speed/cpu_attention.py --rows 64
---slots 1088 --live 200``, which times both layouts; the same bits). In both layouts a row's
-span starts and ends at a multiple of 16 slots (the slots added are masked; a run of 64 slots
-is taken at once only within a tile), so both read the same slots in the same order and give
-the same bits (``tests/test_cpu_attention.py``). Spans widened to multiples of 64 instead (a
-first version) read too many padding slots at short contexts: on untiled keys at 64 rows and 24
-generated tokens after 16-48-token prompts (``cpu_attention.py --rows 64 --slots 128 --live 24
---against`` the kernel before tiling), 0.83 ms a layer against 0.72; at multiples of 16, 0.72
-against 0.68.
+prefetcher follows, each in its own page), and a layer's attention runs faster
+(``docs/results/cpu.md#tiled-keys``). In both layouts a row's span starts and ends at a
+multiple of 16 slots (the slots added are masked; a run of 64 slots is taken at once only
+within a tile), so both read the same slots in the same order and give the same bits
+(``tests/test_cpu_attention.py``). Multiples of 64 instead (a first version) read too many
+padding slots at short contexts.
 The static sampler keeps ``[B, K, H, S]`` keys.
 
 Its vectors are one register wide on the target it is built for (8 float lanes on x86-64-v3, 4
-on x86-64-v2). Written with 16-lane vectors throughout, it spilled them on an AVX2 machine (the AMD
-EPYC of 2026-11-26): the large model's layer took 2.0 ms against XLA's 1.5, and 0.7-1.1 ms with
-register-wide vectors (``python benchmarks/speed/cpu_attention.py``, a loaded machine; the peers'
-small model's decode step at 64 rows: ``python benchmarks/speed/cpu_decode_step.py``). Each lane's
-sums run in the same order at any width, and the softmax normaliser is summed by 16 lanes at
-any width, so its results do not depend on the register width.
+on x86-64-v2): written with 16-lane vectors throughout, it spilled them on an AVX2 machine and
+ran slower than XLA (``docs/results/cpu.md#register-wide-vectors``). Each lane's sums run in the
+same order at any width, and the softmax normaliser is summed by 16 lanes at any width, so its
+results do not depend on the register width.
 
 The kernel is C++, built by an explicit step, never by a sampling call: ``rft-jax
 build-kernels`` (:func:`build`) compiles it with the machine's compiler (``$CXX``, else ``c++`` or
@@ -65,21 +49,10 @@ It is built for a portable target, not the machine's own CPU: ``x86-64-v3`` (AVX
 float lanes) where the CPU has it, else ``x86-64-v2`` (SSE4.2: 4 lanes; else the compiler's
 default), with ``-ffp-contract=off`` (no product and sum fused into one FMA, which the build
 would otherwise do where the target has FMA). Each lane's sums run in the same order at any width
-and no operation is fused, so every x86-64 CPU gets the same bits: the ``x86-64-v2``,
-``x86-64-v3`` and ``-march=native`` builds with ``-ffp-contract=off`` agreed bit for bit on the
-AMD EPYC of 2026-11-27 (``tests/test_cpu_attention.py`` compares the first two), where the former
-``-march=native`` build (FMA) was up to 1.0e-7 off them. The cost, against that former build, on
-that machine (2 cores, load average 2-12 from other work; each run with ``XDG_CACHE_HOME`` set to
-a directory holding one build under :func:`library_path`'s name, alternated):
-
-* one layer of the large model, ``python benchmarks/speed/cpu_attention.py`` (3 runs each): the
-  kernel's median time over XLA's in the same run 0.54-0.60 (native, FMA) and 0.58-0.66
-  (x86-64-v3); at load average 0.3, both loaded side by side in one process (an ad-hoc script,
-  the same shapes), medians of two runs 0.43-0.49 ms against 0.44-0.53 (x86-64-v2: 0.69-0.77):
-  a few percent of the kernel's time, which is about a sixth of a decode step's;
-* the small model's decode step at 64 rows, ``python benchmarks/speed/cpu_decode_step.py --kinds
-  step`` (5 runs each): CPU ms per step 17.0-19.8, median 19.1 (native) against 17.4-22.1, median
-  19.0 (x86-64-v3): no difference the load lets one see.
+and no operation is fused, so every x86-64 CPU gets the same bits (``tests/test_cpu_attention.py``
+compares the ``x86-64-v2`` and ``x86-64-v3`` builds; the former ``-march=native`` build, with
+FMA, was not bit-equal to them). Against that build the portable one costs a few percent of the
+kernel's time, no difference a decode step shows (``docs/results/cpu.md#a-portable-build-target``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@ r"""The routed experts' products on TPUs where they are differentiated: megablox
 
 The TPU compiler has a grouped product for :func:`jax.lax.ragged_dot`'s forward, but its
 derivative with respect to the experts' weights (a product whose contracted rows are grouped)
-runs over every expert: 80 TFLOP where the rows need 1.9 for one layer of Qwen3-30B-A3B at
-8,192 tokens, top-8 (deviceless v5p, ``python benchmarks/speed/moe_expert_products.py``). jax
-ships the Pallas TPU kernels of megablox (``jax.experimental.pallas.ops.tpu.megablox``):
+runs over every expert, many times the rows' work at Qwen3-30B-A3B's 128 experts, top-8
+(compiled deviceless for v5p, figures:
+``docs/results/moe.md#the-learners-expert-products-on-a-gpu-and-a-tpu-deviceless-2026-11-29``).
+jax ships the Pallas TPU kernels of megablox (``jax.experimental.pallas.ops.tpu.megablox``):
 ``gmm`` (grouped rows times their group's matrix) with a ``custom_vjp`` whose weight gradient is
 ``tgmm`` (each group's rows transposed times their cotangents), both over the rows each group
 has. :func:`gmm_experts` is :func:`rft_jax.models.moe.grouped_experts`'s sorted-rows form with

@@ -13,10 +13,10 @@ tiles, the last one partly masked); a loop runs the tiles,
 
 each the expert's SwiGLU on ``[tile, D]`` rows read in place, scaled by the rows' routing
 weights. A step thus reads only the experts it uses, once per tile, and computes at most
-``N k + min(E, N k) tile`` rows. One layer's experts alone (64 experts of ``512 x 256``,
-top-8, float32, 2 cores under a load average of 4-10, 2026-11-29): 2.3 ms against the ragged
-product's 137 ms at one token, 25 against 409 ms at 64, 71 against 1,866 ms at 512; the whole
-decode step: ``benchmarks/speed/moe_decode_step.py`` and ``docs/results/moe.md``.
+``N k + min(E, N k) tile`` rows: on CPU one layer's experts run many times faster than with
+the ragged product, and so does the MoE decode step (figures:
+``docs/results/moe.md#one-layers-expert-products-on-cpu`` and
+``docs/results/moe.md#the-cpu-decode-step-beside-a-dense-model-of-the-same-active-parameters``).
 
 Two forms: the loop over the tiles that exist (a trip count of the data's, no reverse-mode
 derivative: the sampler's prefill and decode steps), and, ``differentiable``, a map over the

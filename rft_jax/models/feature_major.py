@@ -3,10 +3,8 @@ r"""Decoding with feature-major activations: the CPU form of :meth:`Qwen.decode_
 A decode step multiplies a few rows (the batch, ``B`` of 8-256) by every weight matrix. On
 XLA:CPU the products run faster weight-first, ``W^T [out, in] x h [in, B]``, than row-first,
 ``h^T [B, in] x W [in, out]``: the kernels tile the long ``out`` axis, where row-first tiles
-leave a remainder of the few ``B`` rows, and split unevenly over the cores. On the peers' large
-model (hidden 512, 8 layers, vocabulary 32,768; 32 rows, 176 cache slots, two cores) a decode
-step takes 27.2 ms here against 33.7 ms row-first (``python benchmarks/speed/decode_layout.py``,
-2026-11-26).
+leave a remainder of the few ``B`` rows, and split unevenly over the cores (figures:
+``docs/results/cpu.md#feature-major-decoding``).
 
 So this path keeps every activation feature-major (``[D, B]``, ``[N, H, B]``, ``[F, B]``) from
 the embedding to the logits (``[V, B]``, which the samplers take with ``vocab_axis=0``), with
@@ -137,15 +135,13 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
 
   Each of the ``B K`` products has only ``G`` (query heads per key head) rows, which XLA:CPU's
   matrix kernels tile poorly; the elementwise sum reads each cached key once, along contiguous
-  slots: 27.2 ms a decode step of the peers' large model against 28.5 ms with the product
-  (``python benchmarks/speed/decode_layout.py``). Attention is still 6.4 ms of that step (20.9 ms
-  without it): the sum over ``H`` is a reduction, which XLA:CPU runs on one thread (a
+  slots, and makes the decode step a little faster than the product. Attention is still a large
+  share of that step: the sum over ``H`` is a reduction, which XLA:CPU runs on one thread (a
   ``jax.profiler`` trace shows it); summed as 64 products added pairwise, an elementwise fusion
-  split over the cores, the step takes 27.0 ms, too little gain for 64-term kernels. So on one
-  CPU device the sampler runs :func:`rft_jax.models.cpu_attention.attend` instead, a compiled
-  kernel that reads only each row's live slots, on both cores: attention 7.0 ms of a 39.5 ms
-  step where this form takes 12.0 of 44.5 (``decode_layout.py --rounds 5``, 2026-11-27, 64
-  steps from 48 prompt slots).
+  split over the cores, the step gains too little for 64-term kernels. So on one CPU device the
+  sampler runs :func:`rft_jax.models.cpu_attention.attend` instead, a compiled kernel that reads
+  only each row's live slots, on both cores, a faster step. Figures:
+  ``docs/results/cpu.md#feature-major-decoding``.
   """
   h = q.shape[-1]
   scores = jnp.sum(q[..., None].astype(jnp.float32) * k_cache[:, :, None].astype(jnp.float32),

@@ -1,11 +1,12 @@
 r"""A decode step of five kernels a layer: the sampler's GPU step with Pallas kernels.
 
-XLA runs one decode step of Qwen2.5-0.5B at batch 64 on a GPU as 358-366 kernels (14 a layer:
-the two norms, the q/k/v, output, gate/up and down products, their split-K reductions, RoPE,
-two cache writes, the score and value products, the softmax, the residual adds; counted
-deviceless by ``benchmarks/accelerator/decode_kernels.py``). At about 4 us a launch that is
-1.3 ms a step where the weights and the cache need 0.3 ms at the memory bound. This step runs
-each layer as five Pallas kernels, reading every weight once:
+XLA runs one decode step of a small model such as Qwen2.5-0.5B at batch 64 on a GPU as 14
+kernels a layer (the two norms, the q/k/v, output, gate/up and down products, their split-K
+reductions, RoPE, two cache writes, the score and value products, the softmax, the residual adds;
+``benchmarks/accelerator/decode_kernels.py`` counts them deviceless), and the launches, not the
+bytes, set the step's time: several times what reading the weights and the cache takes at the
+memory bound (figures: ``docs/results/gpu.md#the-decode-step-against-the-memory-bound``). This
+step runs each layer as five Pallas kernels, reading every weight once:
 
 1. RMSNorm and the q, k and v products (with their biases):
    :func:`~rft_jax.models.decode_projections.norm_projections`;

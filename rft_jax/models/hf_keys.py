@@ -176,7 +176,8 @@ def is_ignored(name: str, config: QwenConfig) -> bool:
 
 def _transpose(x: np.ndarray, perm, block: int = 128) -> np.ndarray:
   """A contiguous transpose, moving bits as unsigned ints (numpy copies bfloat16 slowly);
-  matrices go tile by tile, which is 2-3x faster than numpy's strided copy for large ones."""
+  matrices go tile by tile, faster than numpy's strided copy for large ones
+  (``docs/results/cpu.md#loading-a-checkpoints-tensors``)."""
   bits = x.view(np.dtype(f"u{x.dtype.itemsize}"))
   if tuple(perm) != (1, 0):
     return np.ascontiguousarray(np.transpose(bits, perm)).view(x.dtype)

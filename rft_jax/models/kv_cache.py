@@ -12,7 +12,8 @@ Layout, chosen for decoding (one query per row reading every slot):
 * one array per layer, not one stacked ``[L, ...]`` array: a decode step updates and reads each
   layer's cache in place, where a stacked cache in a ``scan`` carry is sliced (copied) per layer;
 * keys transposed, ``[B, K, H, S]``: the score product ``q k^T`` is then a plain row-by-matrix
-  product over contiguous slots (about 3x faster on CPU than the ``[B, S, K, H]`` layout);
+  product over contiguous slots (faster on CPU than the ``[B, S, K, H]`` layout:
+  ``docs/results/cpu.md#the-caches-layout``);
   values stay ``[B, K, S, H]`` for the probability-by-value product.
 """
 

@@ -142,9 +142,8 @@ class Qwen(nnx.Module):
         layer's weights (the slices, and the norms and transposes they fuse into) a different
         computation per layer, L copies to compile. Indices that arrive as arguments of the
         program keep them one (on XLA:CPU; the sampler slices at constant offsets on GPUs and
-        TPUs, see ``sample_loop``): the sampler's CPU program of the peers' small model (4 layers)
-        compiles in 1.9 s instead of 2.3 s, the large one (8 layers) in 2.3 s instead of 2.7
-        (``python benchmarks/speed/sampler_compile.py [--model large]``). Indices made inside the
+        TPUs, see ``sample_loop``), and the sampler's CPU program compiles faster
+        (``docs/results/cpu.md#the-cpu-samplers-compile-time``). Indices made inside the
         program are constants, which XLA folds back into the slices.
     """
     graphdef, state = nnx.split(self.layers)

@@ -221,8 +221,8 @@ def gpu_kernel_fits(page_size: int, head_dim: int) -> bool:
 
 def tpu_kernel_fits(head_dim: int) -> bool:
   """Whether the Pallas TPU kernel (Mosaic) takes this head dimension: a multiple of 128, the
-  lane width its blocks' last axis needs (Qwen2.5-0.5B's 64 does not lower; any page size did,
-  compiled for v5p with libtpu, 2026-11-27)."""
+  lane width its blocks' last axis needs (Qwen2.5-0.5B's 64 does not lower; the page size does
+  not matter: ``docs/results/plans.md#a-paged-kv-cache-at-the-papers-scale``)."""
   return head_dim % 128 == 0
 
 

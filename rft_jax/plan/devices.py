@@ -12,7 +12,7 @@ from rft_jax.plan.gpu_topology import gpu_topology
 from rft_jax.plan.topology import GiB, PlanError, Topology
 
 # Memory per chip as the TPU compiler states it in its out-of-memory messages ("... of N G hbm"),
-# measured with libtpu 0.0.42 (../shared/SCALE.md). Keyed by jax's ``device_kind``.
+# with libtpu 0.0.42 (docs/scale.md#memory-per-chip). Keyed by jax's ``device_kind``.
 TPU_HBM_BYTES = {
     "TPU v5": int(95.74 * GiB),       # v5p
     "TPU v5 lite": int(15.75 * GiB),  # v5e

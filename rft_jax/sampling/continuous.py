@@ -31,9 +31,10 @@ Why one ``while_loop`` with the queue on the device, not a host scheduler drivin
 ``prefill`` / ``insert`` / ``decode k steps`` programs (JetStream's orchestrator): the queue of
 one RL step is known when the call starts (every prompt and its ``n``), so nothing needs the
 host between steps; a host loop would wait for a device-to-host transfer every ``k`` steps and
-leave a freed slot idle until then (on the peers' small model a decode step takes 2-5 ms on
-two cores, about the cost of a round trip through Python and dispatch), and admitting inside
-the loop copies only the admitted rows' prompt slots.
+leave a freed slot idle until then (a small model's CPU decode step costs about as much as a
+round trip through Python and dispatch:
+``docs/results/longtail.md#the-cpu-pool-a-steps-cost-by-its-rows``), and admitting inside the
+loop copies only the admitted rows' prompt slots.
 
 The cache is sized by the pool, not by the rows: ``S x (P + M)`` slots instead of the static
 program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. With
@@ -113,11 +114,8 @@ def min_pool_slots(platform: str | None) -> int:
   """The smallest pool a call shrinks to on ``platform``: 1 on CPU, where a decode step's cost
   follows its rows down to one (it streams the weights once and multiplies them by every row),
   8 elsewhere, where a step of 1 to 64 rows costs about the same and a smaller stage would only
-  add a compiled body. On the peers' models (2 cores, AVX-512 EPYC; ``python
-  benchmarks/analysis/longtail_schedule.py --model small|large --sizes 1 2 4 8 16 32 64``,
-  2026-11-27) a step of 1 row cost 1.3 / 10.5 ms against 3.0 / 14.8 at 8 rows, and replaying 20
-  draws of the 128-row long-tailed work (at most 1,024 new tokens) through the pool of 64 slots
-  gave 5.41 / 30.24 s halving down to 1 slot against 5.91 / 31.57 s stopping at 8."""
+  add a compiled body. On CPU the long-tailed work's replay finishes sooner halving down to 1
+  slot than stopping at 8 (``docs/results/longtail.md#the-cpu-pool-a-steps-cost-by-its-rows``)."""
   return 1 if platform == "cpu" else 8
 
 
@@ -125,8 +123,8 @@ def pool_stages(params: SamplingParams) -> int:
   """``params.pool_stages``, or 1 (no shrinking) for calls of fewer than twice
   ``params.min_segment_tokens`` new tokens: a stage is one more compiled decode body, and on
   short calls the steps it saves are worth less than its compile time (the static program's
-  segments follow the same rule; the test suite, mostly 8-40-token calls, took 30 minutes
-  instead of about 18 with five stages everywhere)."""
+  segments follow the same rule; the test suite, mostly short calls, took far longer with five
+  stages everywhere: ``docs/results/longtail.md#the-cpu-pool-a-steps-cost-by-its-rows``)."""
   return params.pool_stages if params.max_new_tokens >= 2 * params.min_segment_tokens else 1
 
 

@@ -15,9 +15,9 @@ One call of :func:`sample_loop`, for ``B`` (bucketed) prompts of (bucketed) leng
 
 Every segment's cache is made inside the program by padding the previous one, layer by layer
 (:func:`_grow`): a growth holds the new cache and about one layer of the old one, where writing
-into a preallocated (donated) final cache held all of the old one beside it, about 1.5 times the
-final cache at the last growth (``memory_analysis`` of a 4-layer model on CPU, 32 rows x 1,088
-slots: 245 MiB then, 176 now, for a 136 MiB final cache). No cache outlives the call.
+into a preallocated (donated) final cache held all of the old one beside it, well above the
+final cache at the last growth (``memory_analysis`` figures:
+``docs/results/cpu.md#the-caches-layout``). No cache outlives the call.
 
 A row is *done* once it has emitted a stop token (which it keeps) or is a dummy row padding the
 batch bucket. Tokens drawn by done rows are not recorded: their slots hold token 0 and log-prob 0.
@@ -108,7 +108,8 @@ def cache_slots(prompt_length: int, new_tokens: int) -> int:
   """Slots of a cache for ``new_tokens`` decode steps after a ``prompt_length``-slot prompt:
   ``P + E - 1`` (the last drawn token is never fed back) rounded up to a multiple of
   :data:`SLOT_MULTIPLE`. The spare slots stay masked; whole vector widths along the slot axis
-  make the score product over ``[B, K, H, S]`` keys about a quarter faster on CPU."""
+  make the score product over ``[B, K, H, S]`` keys faster on CPU
+  (``docs/results/cpu.md#the-caches-layout``)."""
   return -(-(prompt_length + new_tokens - 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
@@ -192,9 +193,7 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
       XLA:CPU compiles one set of per-layer kernels for every layer); None slices at constant
       offsets, which compiles those kernels once per layer. Accelerators slice at constant
       offsets either way: on TPU indexed slices cost memory and save no compile time
-      (``rft-jax plan configs/qwen2_5_7b_grpo.yaml`` on v5p:2x2x1, while the loop still
-      gathered its weights at every step: sampler temporaries 56.2 GiB per chip indexed against
-      55.6 at constant offsets, compiled in 61 s and 62 s).
+      (``docs/results/plans.md#the-papers-six-configs-dense-cache-v5p``).
     spec, mesh, rules: static; with a mesh, rows are laid out over its ``data`` axis.
 
   Returns:
@@ -215,10 +214,9 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   prompt_cache = constrain(prompt_cache, axes, mesh, rules)
   layers = model.unstacked_layers(layer_ids if on_cpu else None)
   # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
-  # copies every layer's weights (Qwen2.5-0.5B: 144 of a step's 502 kernels,
-  # benchmarks/accelerator/decode_kernels.py; a quarter of its kernel time on an H200,
-  # benchmarks/accelerator/decode_profile.py).
-  # GPUs slice them once and hold the slices while the call runs (358 kernels a step); TPUs fuse
+  # copies every layer's weights, a large share of its kernels and kernel time
+  # (docs/results/gpu.md#the-decode-step-against-the-memory-bound).
+  # GPUs slice them once and hold the slices while the call runs; TPUs fuse
   # the slices into the products and slice in the loop.
   step_layers = layers if platform == "gpu" else None
   # One GPU decodes with five Pallas kernels a layer where they take the shapes
@@ -277,9 +275,8 @@ sample_loop = jax.jit(_sample_loop, static_argnames=_STATIC)
 
 # XLA:CPU spends most of a sampler's compile time in LLVM, on the elementwise kernels around the
 # matrix products (library kernels, compiled already). LLVM at -O2 instead of XLA's -O3 compiles
-# the peers' small model's sampler in 1.9 s instead of 2.2 s (large: 2.3 instead of 2.6 s), and
-# it runs as fast (`python benchmarks/speed/sampler_compile.py [--model large]`). A level set in
-# XLA_FLAGS wins (the test suite compiles at -O0: tests/conftest.py).
+# the sampler faster, and it runs as fast (docs/results/cpu.md#the-cpu-samplers-compile-time). A
+# level set in XLA_FLAGS wins (the test suite compiles at -O0: tests/conftest.py).
 CPU_COMPILER_OPTIONS = ({} if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
                         else {"xla_backend_optimization_level": 2})
 sample_loop_cpu = jax.jit(_sample_loop, static_argnames=_STATIC,
@@ -321,11 +318,11 @@ def decode_state(model, mesh: Mesh | None) -> nnx.State:
   compute dtype (:meth:`~rft_jax.models.Qwen.state_in_compute_dtype`: with the paper's float32
   parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
   (:data:`~rft_jax.parallel.TP_RULES`). Laid out as the learner keeps them, FSDP over ``data``,
-  the loop gathers every layer's weights over ``data`` at every step (Qwen2.5-0.5B on
-  v5p:2x2x1, ``python benchmarks/accelerator/decode_kernels.py --topology v5p:2x2x1 --data 4``: 169
-  all-gathers and 25 all-to-alls a step); gathered here, once per call, it runs none, holding a
-  copy of the weights replicated over ``data`` (``rft-jax plan`` of Qwen2.5-7B GRPO on
-  v5p:2x2x1: the sampler's temporaries 47.3 GiB per chip, 55.6 before)."""
+  the loop gathers every layer's weights over ``data`` at every step (the collectives a step:
+  ``docs/results/gpu.md#the-decode-step-against-the-memory-bound``); gathered here, once per
+  call, it runs none, holding a copy of the weights replicated over ``data``, which costs no
+  more memory than the per-step gathers did (the paper's configs:
+  ``docs/results/plans.md#the-papers-six-configs-dense-cache-v5p``)."""
   state = model.state_in_compute_dtype()
   if mesh is None:
     return state

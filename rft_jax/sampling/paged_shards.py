@@ -14,10 +14,10 @@ one-pool functions over it, and the loops run while any shard is busy (a shard w
 left to admit steps on its running samples, or on nothing). Admission copies pages (two
 scatters a layer), so it runs only when a slot could take a waiting sample: an inner loop
 decodes until some shard has a free slot and a sample waiting, then the outer loop admits
-(on the peers' 0.5B GPU shapes, 48 of a step's 427 kernels; a ``lax.cond`` around the copies
-made XLA copy whole page pools instead). A step with nothing to admit would admit nothing, so
-the schedule is that of admitting at every step. A stage's compaction keeps ``size / D`` slots
-per shard.
+(the copies add kernels to a step on a GPU: ``docs/results/gpu.md#paged-attention-on-one-h100``;
+a ``lax.cond`` around the copies made XLA copy whole page pools instead). A step with nothing to
+admit would admit nothing, so the schedule is that of admitting at every step. A stage's
+compaction keeps ``size / D`` slots per shard.
 Samples depend only on their prompt, their sample index and the seed, so which shard, slot or
 step decodes them changes nothing: the samples are those of one pool, and of the static
 program.

@@ -45,13 +45,9 @@ class SamplingParams:
       twice the live context, instead of every preallocated slot. Each segment is one more
       compiled decode body; 1 turns it off.
     min_segment_tokens: no segment shorter than this many new tokens: below it the reads a
-      segment saves are worth less than the compile time of its decode body. On CPU at 128 new
-      tokens (32 rows, 2 cores, feature-major decoding), segments of 64 and 128 tokens against
-      one segment: 14% less decode time on a 4-layer model (first call 4.9 s against 4.0 s),
-      8% less on an 8-layer one at vocabulary 32,768 (8.2 s against 7.7 s); four segments of
-      16-128 saved more on the first (22%) but less on the second (4%), at 5.6 and 12.1 s
-      (``python benchmarks/speed/sampler.py --segments 1 2 4 [--hidden 512 --layers 8 --vocab
-      32768]``).
+      segment saves are worth less than the compile time of its decode body. On CPU two
+      segments saved decode time on a small and a larger model, and four, down to 16 tokens,
+      saved more on the small one but less on the larger (``docs/results/cpu.md#cache-segments``).
     max_rollouts_per_call: the most rows (prompts x ``n``, dummy padding rows included) one
       compiled call decodes at once, i.e. what bounds its KV cache; ``generate`` runs larger
       batches as several calls of ``max_rollouts_per_call // n`` prompts (rounded down to a

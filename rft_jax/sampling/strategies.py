@@ -115,8 +115,7 @@ def greedy(logits: Float[Array, "B V"], vocab_axis: int = 1
   """The argmax token of each row (the first, on ties) and its log-probability under
   ``softmax(logits)``, ``max - logsumexp``, on either layout: plain reductions along the
   vocabulary, where ``argmax`` over the CPU loop's ``[V, B]`` logits needed them transposed
-  first (greedy rollouts of the peers' large model: 3.7 s against 6.5 s,
-  ``python benchmarks/speed/sampler.py --temperature 0 --hidden 512 --layers 8 --vocab 32768``)."""
+  first, a slower greedy rollout (``docs/results/cpu.md#greedy-sampling``)."""
   v = logits.shape[vocab_axis]
   top = jnp.max(logits, axis=vocab_axis, keepdims=True)
   index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, vocab_axis)

@@ -7,9 +7,8 @@ the learner step: seconds on a CPU, minutes for the paper's models on a TPU slic
 every compiled program that took longer than ``jax_persistent_cache_min_compile_time_secs``
 (1 s by default) in a directory, keyed by the program, the compiler options, the devices and
 the JAX version, and load it in a later process instead of compiling it again: a resumed run, or
-a rerun with the same shapes, starts stepping at once. On the peers' small model the sampler's
-first call takes 1.24 s from the cache against 3.01 s compiling
-(``python benchmarks/peers/first_call.py``).
+a rerun with the same shapes, starts stepping at once: the sampler's first call takes a
+fraction of its compile time (``docs/results/peers.md#history``).
 
 JAX opens its cache once per process, in the directory set at that time;
 :func:`persistent_compilation_cache` reopens it in the run's directory and restores the
