@@ -48,6 +48,9 @@ class Rollouts:
       decode step that fed it (0 where none did: a completion's last token, padding); None when
       not recorded. The learner replays them (``learner.routing_replay``) and measures its
       routing against them.
+    completion_mask: ``[N, M]`` int32 1 on the tokens the model drew, 0 on those an environment
+      fed between its turns (multi-turn trajectories, :mod:`rft_jax.rollout`), which the learner
+      reads but does not train on; None: every completion token is the model's.
   """
 
   prompt_ids: np.ndarray
@@ -61,6 +64,7 @@ class Rollouts:
   evictions: int = 0
   prompt_expert_ids: np.ndarray | jax.Array | None = None
   completion_expert_ids: np.ndarray | jax.Array | None = None
+  completion_mask: np.ndarray | None = None
 
   def __post_init__(self):
     b, p = self.prompt_ids.shape
@@ -68,6 +72,8 @@ class Rollouts:
     expected = {"prompt_lengths": (b,), "completion_lengths": (n_total,),
                 "logprobs": (n_total, m), "finish_reason": (n_total,),
                 "prompt_index": (n_total,)}
+    if self.completion_mask is not None:
+      expected["completion_mask"] = (n_total, m)
     if (self.logprobs is None) == (self.on_device is None):
       raise ValueError("Rollouts: give logprobs (host) or on_device (device), exactly one")
     if self.on_device is not None:

@@ -62,6 +62,8 @@ class SampledRollouts(Protocol):
       token to in its prefill, or None (not recorded; optional attribute).
     completion_expert_ids: ``[N, M, n_layers, k]`` those of each completion token, from the
       decode step that fed it (0 where none did), or None.
+    completion_mask: ``[N, M]`` 1 on the model's tokens, 0 on tokens an environment fed between
+      its turns (a multi-turn trajectory), or None (all the model's; optional attribute).
   """
 
   prompt_ids: np.ndarray
@@ -82,8 +84,9 @@ def learner_batch(rollouts: SampledRollouts, rows=None, prompt_width: int | None
   Column ``t`` of every array describes token ``input_ids[:, t]``: the completion's prompt
   (left-padded to ``W`` columns) followed by the completion (right-padded to ``M``);
   ``attention_mask`` is 1 on real prompt and completion tokens, ``response_mask`` on completion
-  tokens (the stop token included), ``sampler_logp`` the sampler's log-probability of the
-  completion tokens (0 elsewhere), ``expert_ids`` the sampler's recorded routing when it has
+  tokens the model drew (the stop token included; an environment's tokens in a multi-turn
+  trajectory are read, ``attention_mask`` 1, but not trained on, ``response_mask`` 0),
+  ``sampler_logp`` the sampler's log-probability of the completion tokens (0 elsewhere), ``expert_ids`` the sampler's recorded routing when it has
   one (``[K, W + M, n_layers, k]``, prompts' and completions' side by side).
 
   Args:
@@ -115,6 +118,11 @@ def learner_batch(rollouts: SampledRollouts, rows=None, prompt_width: int | None
     batch = _assemble_on_device(prompt_ids, prompt_mask, r.on_device.completion_ids, r.on_device.logprobs,
                                 rows, lengths)
   batch = batch.replace(expert_ids=_expert_ids(r, rows, width))
+  model_tokens = getattr(r, "completion_mask", None)
+  if model_tokens is not None:  # an environment's tokens: read, not trained on
+    xp = jnp if isinstance(batch.response_mask, jax.Array) else np
+    batch = batch.replace(response_mask=batch.response_mask * xp.concatenate(
+        [xp.zeros_like(prompt_mask), xp.asarray(model_tokens[rows], batch.response_mask.dtype)], axis=1))
   return batch if advantages is None else batch.replace(advantages=advantages)
 
 
