@@ -11,4 +11,10 @@ if ! command -v chromium >/dev/null 2>&1; then
   apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } \
     || echo "could not install chromium (apt-get install chromium): tests/test_figures.py's browser test will fail" >&2
 fi
+# tests/test_sandbox.py runs model code in bubblewrap; without it those tests fail (they are not skipped).
+if ! command -v bwrap >/dev/null 2>&1; then
+  echo "installing bubblewrap (apt) for the sandbox tests"
+  apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+    || echo "could not install bubblewrap (apt-get install bubblewrap): tests/test_sandbox.py will fail" >&2
+fi
 exec python -m pytest -n "${RFT_JAX_TEST_WORKERS:-2}" --dist loadfile "$@"
