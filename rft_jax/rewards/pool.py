@@ -12,10 +12,10 @@ its process breaks the executor and fails every pending future with
 ``forkserver`` (``fork`` is unsafe in a process holding JAX/XLA threads) every worker
 re-imports the parent's ``__main__`` -- a training script, with JAX -- and a script
 without an ``if __name__ == "__main__":`` guard fails. So each worker is a fresh
-interpreter (``subprocess``, ``python -c``) that imports only this module and the
-called function's module, talking over a socket pair with ``multiprocessing``'s
-pickling ``Connection``. Workers see ``CUDA_VISIBLE_DEVICES=""`` and
-``JAX_PLATFORMS=cpu``: they never touch an accelerator.
+interpreter (``worker_process.py``: ``python -c``) that imports only this module and
+the called function's module, talking over a socket pair with ``multiprocessing``'s pickling
+``Connection``. Workers see ``CUDA_VISIBLE_DEVICES=""`` and ``JAX_PLATFORMS=cpu``: they never
+touch an accelerator. A killed worker's process group goes with it.
 
 A task's clock starts when it is handed to a ready worker (a worker is ready once its
 ``initializer`` ran), so start-up time never counts against the limit. A replacement
@@ -35,30 +35,16 @@ Nothing here imports the rest of the project.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import functools
 import multiprocessing.connection as mp_connection
-import os
 import pickle
-import queue
-import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+from rft_jax.rewards.worker_process import WorkerProcess
+
 _READY = "__ready__"
 _MAX_STARTUP_FAILURES = 3
-# The worker's whole command line: take the parent's sys.path, then serve.
-_BOOTSTRAP = (
-    "import sys\n"
-    "from multiprocessing.connection import Connection\n"
-    "conn = Connection(int(sys.argv[1]))\n"
-    "sys.path[:] = conn.recv()\n"
-    "from rft_jax.rewards.pool import _serve\n"
-    "_serve(conn, int(sys.argv[2]))\n"
-)
 
 
 class Outcome(NamedTuple):
@@ -73,45 +59,10 @@ class Outcome(NamedTuple):
 OVER_BUDGET = "budget"  # the ``value`` of a ``timeout`` that the batch's budget ended
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-  """End this worker when the parent dies, even if it is killed (no atexit runs).
-
-  On Linux, ``PR_SET_PDEATHSIG`` has the kernel send ``SIGKILL`` -- which also ends a
-  worker stuck in one long C call -- when the parent *thread* that started the worker
-  exits; workers are therefore started from one long-lived thread (:func:`_launch`).
-  A watchdog thread polling the parent pid is the fallback elsewhere.
-  """
-  import signal
-
-  if sys.platform.startswith("linux"):
-    try:
-      import ctypes
-
-      ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-      pass
-  if os.getppid() != parent_pid:
-    os._exit(0)
-
-  def watch():
-    while os.getppid() == parent_pid:
-      time.sleep(1.0)
-    os._exit(0)
-
-  threading.Thread(target=watch, daemon=True).start()
-
-
-def _serve(conn, parent_pid: int) -> None:
+def _serve(conn) -> None:
   """Worker loop: set up, report ready, then receive ``(fn, args)`` and send back
   ``(ok, value)`` until None or the parent goes away."""
-  import signal
-
-  # Ctrl-C and a scheduler's SIGTERM (often sent to the whole process group) are the trainer's to
-  # handle: it finishes its step, which needs these workers. They end with it.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   initializer, memory_limit_mb = conn.recv()
-  _exit_with_parent(parent_pid)
   if memory_limit_mb is not None:
     import resource
 
@@ -136,79 +87,15 @@ def _serve(conn, parent_pid: int) -> None:
       conn.send((False, type(e).__name__))
 
 
-_launcher: Optional[tuple[int, queue.SimpleQueue]] = None  # (pid, request queue)
-_launcher_lock = threading.Lock()
-
-
-def _launcher_loop(requests: queue.SimpleQueue) -> None:
-  while True:
-    start, future = requests.get()
-    try:
-      future.set_result(start())
-    except BaseException as e:  # noqa: BLE001 - handed to the caller
-      future.set_exception(e)
-
-
-def _launch(cmd: list[str], **kwargs) -> subprocess.Popen:
-  """``subprocess.Popen`` run on one daemon thread that lives as long as the process,
-  so a worker's parent-death signal fires at process exit, not when the calling
-  thread ends (a daemon thread, unlike an executor's, is not joined at shutdown while
-  other threads may still use the pool)."""
-  global _launcher
-  with _launcher_lock:
-    if _launcher is None or _launcher[0] != os.getpid():  # none yet, or we are a fork
-      requests: queue.SimpleQueue = queue.SimpleQueue()
-      threading.Thread(target=_launcher_loop, args=(requests,), name="rft-pool-launcher", daemon=True).start()
-      _launcher = (os.getpid(), requests)
-  future: concurrent.futures.Future = concurrent.futures.Future()
-  _launcher[1].put((functools.partial(subprocess.Popen, cmd, **kwargs), future))
-  return future.result()
-
-
-def _worker_env() -> dict[str, str]:
-  env = dict(os.environ)
-  env.update(CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
-  return env
-
-
-class _Worker:
-  """One worker process and the parent's end of its socket."""
+class _Worker(WorkerProcess):
+  """A worker of the pool: its process, whether it is ready, its task and that task's deadline."""
 
   def __init__(self, initializer, memory_limit_mb):
-    parent, child = socket.socketpair()
-    with child:
-      self.process = _launch(
-          [sys.executable, "-c", _BOOTSTRAP, str(child.fileno()), str(os.getpid())],
-          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_worker_env(), close_fds=True)
-    self.conn = mp_connection.Connection(parent.detach())
-    self.conn.send(list(sys.path))
+    super().__init__("rft_jax.rewards.pool:_serve")
     self.conn.send((initializer, memory_limit_mb))
     self.ready = False
     self.task: Optional[int] = None
     self.deadline = 0.0
-
-  def exitcode(self) -> Optional[int]:
-    try:
-      return self.process.wait(timeout=1)
-    except subprocess.TimeoutExpired:
-      return None
-
-  def kill(self, grace_s: float = 0.0) -> None:
-    if grace_s > 0:
-      try:
-        self.process.wait(timeout=grace_s)
-      except subprocess.TimeoutExpired:
-        pass
-    if self.process.poll() is None:
-      self.process.kill()
-    self.exitcode()
-    self.conn.close()
-
-  def ask_to_stop(self) -> None:
-    try:
-      self.conn.send(None)
-    except (OSError, ValueError):
-      pass
 
 
 class TimeLimitedPool:
