@@ -59,7 +59,7 @@ def cpu_attention_built():
   machine and kernel source; a no-op after), before any test: the sampler's tests on CPU run it,
   as runs do where it is built. Its path, or the build's error (the ``cpu_kernel`` fixture's tests
   fail with it; the others run XLA's attention)."""
-  from rft_jax.models import cpu_attention
+  from rft_jax.models.decode import cpu_attention
 
   try:
     return cpu_attention.build()
@@ -70,7 +70,7 @@ def cpu_attention_built():
 @pytest.fixture
 def cpu_kernel(cpu_attention_built):
   """The CPU decode attention kernel, built and registered (else the build's error)."""
-  from rft_jax.models import cpu_attention
+  from rft_jax.models.decode import cpu_attention
 
   if isinstance(cpu_attention_built, Exception):
     raise cpu_attention_built

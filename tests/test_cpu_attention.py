@@ -1,4 +1,4 @@
-"""The compiled CPU decode attention (``rft_jax.models.cpu_attention``) against
+"""The compiled CPU decode attention (``rft_jax.models.decode.cpu_attention``) against
 ``feature_major.attend``, the XLA form it replaces, how it is built, and when the sampler uses it.
 Built by ``tests/conftest.py`` (``cpu_kernel``) as ``rft-jax build-kernels`` builds it; every
 array here is on the CPU backend, also where the default one is an accelerator (the kernel has a
@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import Mesh
 
 from rft_jax import cli
-from rft_jax.models import KVCache, cpu_attention, feature_major
-from rft_jax.sampling import loop
-from rft_jax.sampling.loop import cpu_attention_for
+from rft_jax.models import KVCache
+from rft_jax.models.decode import cpu_attention, feature_major
+from rft_jax.sampling import decoder
+from rft_jax.sampling.decoder import cpu_attention_for
 
 # (B, K, G, H, S): paired and odd query heads; H a multiple of 64, with a remainder, below 64;
 # slot counts around the kernel's 16- and 64-slot tiles.
@@ -217,5 +218,5 @@ def test_the_sampler_uses_the_kernel_for_a_float32_cache_on_one_cpu_device(cpu_k
   if len(cpus) > 1:
     two = Mesh(np.asarray(cpus[:2]), ("data",))
     assert cpu_attention_for(_cache(), two) is feature_major.attend
-  monkeypatch.setattr(loop, "platform_of", lambda mesh: "gpu")
+  monkeypatch.setattr(decoder, "platform_of", lambda mesh: "gpu")
   assert cpu_attention_for(_cache(), None) is feature_major.attend

@@ -1,4 +1,4 @@
-"""The fused decode-attention kernel (``rft_jax.models.decode_attention``) in Pallas' interpret
+"""The fused decode-attention kernel (``rft_jax.models.decode.decode_attention``) in Pallas' interpret
 mode against the XLA path of ``DecoderLayer.extend`` built from the repository's own functions
 (q/k RMSNorm, ``rotate``, ``write_slots``, ``visible_slots``, ``attend_cache``)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rft_jax.models.attention import attend_cache
-from rft_jax.models.decode_attention import fused_decode_attention, slot_block
+from rft_jax.models.decode.decode_attention import fused_decode_attention, slot_block
 from rft_jax.models.kv_cache import query_slots, visible_slots, write_slots
 from rft_jax.models.layers import rms_norm, rope_cos_sin, rope_inv_freq, rotate
 

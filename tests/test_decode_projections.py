@@ -1,4 +1,4 @@
-"""The decode-step projection kernels (``rft_jax.models.decode_projections``) in Pallas'
+"""The decode-step projection kernels (``rft_jax.models.decode.decode_projections``) in Pallas'
 interpret mode, against the XLA maths the decoder runs (``rms_norm``, products accumulated in
 float32 and rounded, biases, SwiGLU and residual adds in the compute dtype).
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rft_jax.models.decode_projections import (fits, norm_projections, residual_projection,
+from rft_jax.models.decode.decode_projections import (fits, norm_projections, residual_projection,
                                                swiglu_projection)
 from rft_jax.models.layers import rms_norm
 

@@ -1,4 +1,4 @@
-"""The fused decode step (``rft_jax.models.fused_decode``: five Pallas kernels a layer, here in
+"""The fused decode step (``rft_jax.models.decode.fused_decode``: five Pallas kernels a layer, here in
 Pallas' interpret mode) equals XLA's ``Qwen.decode_step``: logits, caches and the samples of a
 seed, over several steps, with one write index shared or one per row; and which step a config
 and a device set choose."""
@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 from rft_jax.models import Qwen, QwenConfig
-from rft_jax.models import fused_decode
+from rft_jax.models.decode import fused_decode
 from rft_jax.models.lora import LoraConfig
+from rft_jax.sampling import decoder
 
 STEPS = 6
 # The compiled kernels on a GPU (benchmarks/accelerator/gpu.sh tests), elsewhere interpret mode.
@@ -95,10 +96,10 @@ def test_the_gpu_program_samples_the_same_tokens_with_the_fused_step(monkeypatch
   """The sampler's accelerator program (run here on CPU, told it is a GPU's) with the fused step
   draws the same completions for a seed as with XLA's step, and the same log-probabilities up to
   float32 rounding."""
-  from rft_jax.sampling import SamplingParams, generate, loop
+  from rft_jax.sampling import SamplingParams, generate
   from rft_jax.sampling.generate import program_for
 
-  monkeypatch.setattr(loop, "platform_of", lambda mesh: "gpu")
+  monkeypatch.setattr(decoder, "platform_of", lambda mesh: "gpu")
   traced = []  # the kinds whose fused step the programs traced
   step = fused_decode.fused_decode_step
   monkeypatch.setattr(fused_decode, "fused_decode_step", lambda *a, **kw: (

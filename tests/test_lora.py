@@ -129,7 +129,7 @@ def test_targets_choose_the_adapted_projections_and_bfloat16_base():
 
 
 def test_feature_major_decoding_refuses_an_unmerged_model():
-  from rft_jax.models.feature_major import decode_weights
+  from rft_jax.models.decode.feature_major import decode_weights
 
   with pytest.raises(ValueError, match="merged"):
     decode_weights(add_adapters(tiny_model(), LORA))

@@ -12,7 +12,9 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import make_tiny_qwen
-from rft_jax.models import KVCache, Qwen, QwenConfig, cpu_attention, feature_major, load_hf
+from rft_jax.models import KVCache, Qwen, QwenConfig, load_hf
+
+from rft_jax.models.decode import cpu_attention, feature_major
 
 LENGTHS = (6, 3, 1)
 STEPS = 5

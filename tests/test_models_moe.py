@@ -18,7 +18,7 @@ from flax import nnx
 from hf_fixtures import hf_logits, hf_model, read_json
 from moe_fixtures import make_tiny_moe, tiny_moe_hf_config
 from rft_jax.models import CheckpointError, QwenConfig, load_hf, save_hf
-from rft_jax.models.fused_decode import fused_decode_fits
+from rft_jax.models.decode.fused_decode import fused_decode_fits
 from rft_jax.models.moe import load_balancing_loss, route, router_z_loss
 from rft_jax.sampling import SamplingParams, generate
 
@@ -268,7 +268,9 @@ def test_qwen3_30b_a3b_config_reads_and_builds_abstractly():
 def test_decode_paths_return_the_routing_of_the_full_forward(models):
   """What rollout routing replay records: the cache paths' expert ids of a token equal the full
   forward's at its position (prefill, the XLA step, the feature-major CPU step)."""
-  from rft_jax.models import Qwen, feature_major
+  from rft_jax.models import Qwen
+
+  from rft_jax.models.decode import feature_major
 
   model = models["qwen2_moe"]
   ids, mask = (jnp.asarray(a) for a in _left_padded())

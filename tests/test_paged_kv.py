@@ -1,4 +1,4 @@
-"""The paged KV cache (``rft_jax.models.paged_kv``): prompts shifted into pages, one token
+"""The paged KV cache (``rft_jax.models.decode.paged_kv``): prompts shifted into pages, one token
 written per slot, and paged attention equal to the dense cache's, by XLA and by jax's Pallas
 GPU kernel (in Pallas' interpret mode here; on a GPU, also the real Triton kernel)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rft_jax.models.attention import attend_cache
-from rft_jax.models.paged_kv import (PagedKVCache, paged_attention, pages_for, prompt_pages,
+from rft_jax.models.decode.paged_kv import (PagedKVCache, paged_attention, pages_for, prompt_pages,
                                      resolve_kind, tpu_kernel_fits, write_token)
 
 RNG = np.random.default_rng(0)

@@ -17,6 +17,7 @@ from flax import nnx
 from hf_fixtures import hf_model, make_tiny_qwen
 from rft_jax.models import Qwen, QwenConfig, load_hf
 from rft_jax.rl.learner import learner_batch
+from rft_jax.sampling import decoder
 from rft_jax.sampling import SamplingParams, generate, prompt_fingerprints
 from rft_jax.sampling import continuous, loop
 from rft_jax.sampling.generate import program_for
@@ -239,7 +240,7 @@ def test_gpu_program_decodes_on_layers_sliced_once(monkeypatch, scheduler):
   outputs = {}
   nucleus = dataclasses.replace(NUCLEUS, scheduler=scheduler)
   for platform in ("tpu", "gpu"):
-    monkeypatch.setattr(loop, "platform_of", lambda mesh, platform=platform: platform)
+    monkeypatch.setattr(decoder, "platform_of", lambda mesh, platform=platform: platform)
     jaxpr = jax.make_jaxpr(functools.partial(program, graphdef, spec=spec, mesh=None,
                                              rules=None))(*args)
     slices = _layer_slices_in_loops(jaxpr.jaxpr, num_layers=3)

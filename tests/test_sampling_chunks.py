@@ -21,6 +21,7 @@ from hf_fixtures import make_tiny_qwen
 from rft_jax.models import load_hf
 from rft_jax.parallel import make_mesh
 from rft_jax.plan.fit import while_loop_bodies
+from rft_jax.sampling import decoder
 from rft_jax.sampling import SamplingParams, batch_bucket, continuous, generate, loop
 from rft_jax.sampling.generate import program_for
 from rft_jax.train.config import ConfigError, load_config
@@ -138,7 +139,7 @@ def test_accelerator_loop_gathers_weights_once_per_call(ckpt, whole, monkeypatch
   values (which sample, which step: at most 2 per slot), never weights or cache rows."""
   generate_module = importlib.import_module("rft_jax.sampling.generate")  # the function's name
 
-  monkeypatch.setattr(loop, "platform_of", lambda mesh: "tpu")
+  monkeypatch.setattr(decoder, "platform_of", lambda mesh: "tpu")
   params = dataclasses.replace(PARAMS, scheduler=scheduler)
   program = continuous.sample_pool if scheduler == "continuous" else loop.sample_loop
   lowered = []

@@ -143,7 +143,7 @@ def test_the_cpu_pool_tiles_its_keys_for_the_kernel(model, cpu_kernel, monkeypat
   the same (the kernel reads both layouts to the same bits; log-probabilities to float32
   rounding, as XLA's products may round a row differently at another batch size)."""
   import jax
-  from rft_jax.models import cpu_attention
+  from rft_jax.models.decode import cpu_attention
   ranks = set()
   attend = cpu_attention.attend
 

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from rft_jax.rl.learner import Learner, learner_batch
+from rft_jax.sampling import decoder
 from rft_jax.sampling import SamplingParams, generate
 from test_learner_moe import EXPERTS, TOP_K, config, tiny_moe
 
@@ -98,13 +99,12 @@ def test_a_data_mesh_records_what_one_device_does(program):
 def test_the_accelerator_programs_record_what_the_cpu_programs_do(program, monkeypatch):
   """The programs an accelerator compiles (the model's own decode step: the fused kernels decline
   MoE), traced here on the CPU: the same samples, log-probs and routing as the CPU programs'."""
-  from rft_jax.sampling import loop
   from rft_jax.sampling.generate import program_for
 
   model, params = tiny_moe(), PROGRAMS[program]
   program_for(params, None).clear_cache()
   on_cpu = generate(model, PROMPTS, params, seed=7)
-  monkeypatch.setattr(loop, "platform_of", lambda mesh: "gpu")
+  monkeypatch.setattr(decoder, "platform_of", lambda mesh: "gpu")
   program_for(params, None).clear_cache()
   on_gpu = generate(model, PROMPTS, params, seed=7)
   program_for(params, None).clear_cache()

@@ -76,7 +76,7 @@ def test_the_wheel_holds_the_package_data(installed):
   names = set(zipfile.ZipFile(wheel).namelist())
   for name in ("rft_jax/configs/demo.yaml", "rft_jax/demo/checkpoint/config.json",
                "rft_jax/demo/checkpoint/model.safetensors", "rft_jax/demo/checkpoint/tokenizer.json",
-               "rft_jax/demo/checkpoint/tokenizer_config.json", "rft_jax/models/cpu_attention.cc"):
+               "rft_jax/demo/checkpoint/tokenizer_config.json", "rft_jax/models/decode/cpu_attention.cc"):
     assert name in names, name
   assert any(n.startswith("rft_jax/plan/gpu_specs/") and n.endswith(".txtpb") for n in names)
   checkpoint = os.path.join(ROOT, "rft_jax", "demo", "checkpoint")

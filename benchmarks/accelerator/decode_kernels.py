@@ -24,7 +24,7 @@ with its wrapper's query padding, exponential and convert. Admission (62 kernels
 copies of the entering samples' partial prompt pages) runs in its own loop body, only when a
 slot can take a waiting sample; run at every step, as before, it made the step 427 kernels.
 Those are XLA's decode step (``--decode-kernels xla``). The fused step (``auto``, the default
-on one GPU: five Pallas kernels a layer, ``rft_jax.models.fused_decode``) is 150 kernels a
+on one GPU: five Pallas kernels a layer, ``rft_jax.models.decode.fused_decode``) is 150 kernels a
 step with continuous batching and 143 in the static loop at 0.5B, batch 64, on h200:1
 (2026-11-28; 170 at 1.5B): 120 of them the layers' kernels, the rest the embedding, the slot
 mask, the final norm and logits, the sampling and the pool's bookkeeping.

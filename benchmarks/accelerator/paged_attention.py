@@ -1,4 +1,4 @@
-"""Paged attention of one decode step (``rft_jax.models.paged_kv.paged_attention``) by each kind
+"""Paged attention of one decode step (``rft_jax.models.decode.paged_kv.paged_attention``) by each kind
 this backend runs, on long-tailed slot lengths: its distance from a float32 dense reference and
 its time against the bytes it must read.
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rft_jax.models.paged_kv import pages_for, paged_attention
+from rft_jax.models.decode.paged_kv import pages_for, paged_attention
 
 SHAPES = {"0.5b": (14, 2, 64), "7b": (28, 4, 128)}  # query heads, kv heads, head width
 

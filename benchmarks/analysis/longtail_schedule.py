@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from speed.cpu_decode_step import attention_fn, build, loop, prefilled, timed  # noqa: E402
-from rft_jax.models import cpu_attention  # noqa: E402
+from rft_jax.models.decode import cpu_attention  # noqa: E402
 from rft_jax.sampling.continuous import min_pool_slots, pool_sizes  # noqa: E402
 from rft_jax.sampling.params import SamplingParams  # noqa: E402
 

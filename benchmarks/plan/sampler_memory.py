@@ -49,7 +49,7 @@ def main() -> None:
   parser.add_argument("--new", type=int, default=2048)
   parser.add_argument("--layers", type=int, default=2)
   parser.add_argument("--head-dim", type=int, default=64,
-                      help="128 for the TPU paged kernel (rft_jax.models.paged_kv.tpu_kernel_fits)")
+                      help="128 for the TPU paged kernel (rft_jax.models.decode.paged_kv.tpu_kernel_fits)")
   args = parser.parse_args()
   topo = topology(args.topology)
   data = len(topo.devices)

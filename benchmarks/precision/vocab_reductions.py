@@ -31,7 +31,8 @@ from flax import nnx
 from jax.extend import core as jex_core
 
 from rft_jax.entropy import dynamics
-from rft_jax.models import Qwen, QwenConfig, fused_decode
+from rft_jax.models import Qwen, QwenConfig
+from rft_jax.models.decode import fused_decode
 from rft_jax.sampling import strategies
 
 TOP_P = 0.95

@@ -1,4 +1,4 @@
-"""One layer's decode attention on CPU: the compiled kernel (``rft_jax.models.cpu_attention``)
+"""One layer's decode attention on CPU: the compiled kernel (``rft_jax.models.decode.cpu_attention``)
 against ``feature_major.attend`` (XLA), on the peers' large model's attention shapes.
 
 A cache of ``--slots`` slots per row (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, float32)
@@ -17,7 +17,7 @@ pool holds them (``cpu_attention.tile_keys``).
 build-kernels`` builds it) and times it in the same rounds, printing how far its outputs are
 from the kernel's; e.g. against the last commit's kernel::
 
-    git show HEAD~1:rft_jax/models/cpu_attention.cc > /tmp/before.cc
+    git show HEAD~1:rft_jax/models/decode/cpu_attention.cc > /tmp/before.cc
     python benchmarks/speed/cpu_attention.py --rows 8 --slots 1072 --live 560 \
         --against /tmp/before.cc
 """
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rft_jax.models import cpu_attention, feature_major
+from rft_jax.models.decode import cpu_attention, feature_major
 
 KV_HEADS, GROUP, HEAD_DIM, PROMPT = 4, 2, 64, 48  # learner_step.MODELS["large"]
 
@@ -47,7 +47,7 @@ def main() -> None:
   parser.add_argument("--live", type=int, default=64, help="generated tokens so far")
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=20)
-  parser.add_argument("--against", help="another version of rft_jax/models/cpu_attention.cc")
+  parser.add_argument("--against", help="another version of rft_jax/models/decode/cpu_attention.cc")
   args = parser.parse_args()
   if not cpu_attention.available():
     raise SystemExit("the kernel is not built here (the log above says why)")

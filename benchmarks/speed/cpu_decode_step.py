@@ -52,8 +52,9 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from speed.learner_step import build  # noqa: E402
-from rft_jax.models import cpu_attention, feature_major  # noqa: E402
-from rft_jax.sampling.loop import CPU_COMPILER_OPTIONS, cache_slots  # noqa: E402
+from rft_jax.models.decode import cpu_attention, feature_major  # noqa: E402
+from rft_jax.sampling.decoder import CPU_COMPILER_OPTIONS  # noqa: E402
+from rft_jax.sampling.loop import cache_slots  # noqa: E402
 from rft_jax.sampling.strategies import Strategy  # noqa: E402
 
 STRATEGY = Strategy()  # temperature > 0, no truncation
@@ -109,7 +110,7 @@ def decode_hidden(model, weights, tokens, cache, attention):
 def prefilled(model, rows: int, prompt: int, max_new: int, seed: int = 0, tiled: bool = False):
   """A pool-like cache: ``rows`` prompts of ``prompt`` tokens prefilled, one index per row;
   ``tiled``: its keys tiled, as the sampler's pool holds them for the attention kernel
-  (``rft_jax.models.cpu_attention.tile_keys``)."""
+  (``rft_jax.models.decode.cpu_attention.tile_keys``)."""
   rng = np.random.default_rng(seed)
   vocab = model.config.vocab_size
   ids = jnp.asarray(rng.integers(3, vocab, (rows, prompt)), jnp.int32)

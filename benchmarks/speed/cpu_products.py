@@ -1,5 +1,5 @@
 """How fast XLA:CPU multiplies at a decode step's shapes: GFLOP/s of ``weights @ activations``
-(float32, feature-major as ``rft_jax.models.feature_major`` decodes: ``[N, K] @ [K, rows]``) for
+(float32, feature-major as ``rft_jax.models.decode.feature_major`` decodes: ``[N, K] @ [K, rows]``) for
 the peers' large model's products (the unembedding, the fused q/k/v, gate/up, down and output
 projections) at ``--rows``, and of a 2048-square product for the machine's peak.
 

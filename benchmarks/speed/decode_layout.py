@@ -1,4 +1,4 @@
-"""The CPU decode step, row-first against feature-major (what ``rft_jax.models.feature_major``
+"""The CPU decode step, row-first against feature-major (what ``rft_jax.models.decode.feature_major``
 rests on), on the peers' models (``benchmarks/speed/learner_step.py`` ``MODELS``, random weights).
 
 Each contender runs ``--steps`` decode steps of ``--rows`` rows in one compiled ``fori_loop``
@@ -35,7 +35,8 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from speed.learner_step import build  # noqa: E402
-from rft_jax.models import attention, cpu_attention, feature_major  # noqa: E402
+from rft_jax.models import attention  # noqa: E402
+from rft_jax.models.decode import cpu_attention, feature_major  # noqa: E402
 from rft_jax.models.attention import MASKED_SCORE  # noqa: E402
 
 

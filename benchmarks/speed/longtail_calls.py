@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import rft_jax  # noqa: E402
 from peers.runners.spec import (LONGTAIL, build_checkpoint, longtail_prompts,  # noqa: E402
                                 stop_token_ids)
-from rft_jax.models import cpu_attention, load_hf  # noqa: E402
+from rft_jax.models import load_hf  # noqa: E402
+from rft_jax.models.decode import cpu_attention  # noqa: E402
 from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 
 

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from rft_jax.models import cpu_attention  # noqa: E402
+from rft_jax.models.decode import cpu_attention  # noqa: E402
 from rft_jax.sampling import generate  # noqa: E402
 from speed.longtail_calls import add_work_arguments, load_work  # noqa: E402
 

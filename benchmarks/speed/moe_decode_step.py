@@ -50,7 +50,8 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from speed.cpu_decode_step import attention_fn, loop, prefilled, timed  # noqa: E402
 from speed.learner_step import MODELS  # noqa: E402
-from rft_jax.models import Qwen, QwenConfig, cpu_attention, moe  # noqa: E402
+from rft_jax.models import Qwen, QwenConfig, moe  # noqa: E402
+from rft_jax.models.decode import cpu_attention  # noqa: E402
 from rft_jax.sampling import SamplingParams, generate  # noqa: E402
 
 EXPERTS, TOP_K, EXPERT_WIDTH = 64, 8, 256

@@ -1,5 +1,5 @@
 """The CPU sampler's compile time: at XLA:CPU's LLVM optimisation levels (what
-``rft_jax.sampling.loop.CPU_COMPILER_OPTIONS`` rests on), and with the layers sliced at indices
+``rft_jax.sampling.decoder.CPU_COMPILER_OPTIONS`` rests on), and with the layers sliced at indices
 that are arguments of the program or at constant offsets (what ``sample_loop``'s ``layer_ids``
 rests on).
 

@@ -138,7 +138,7 @@ def build_kernels_command(args: argparse.Namespace) -> int:
   import os
   import time
 
-  from rft_jax.models import cpu_attention
+  from rft_jax.models.decode import cpu_attention
 
   name = f"the CPU decode attention kernel ({cpu_attention.target()})"
   if os.path.exists(cpu_attention.library_path()) and not args.force:

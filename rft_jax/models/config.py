@@ -27,7 +27,7 @@ QWEN_BOS = 151643  # <|endoftext|>
 QWEN_EOS = 151645  # <|im_end|>
 # Implementations of the causal self-attention (rft_jax.models.attention.causal_self_attention).
 ATTENTION_KINDS = ("auto", "blockwise", "cudnn", "splash", "reference")
-# Implementations of the sampler's decode step on an accelerator (rft_jax.models.fused_decode).
+# Implementations of the sampler's decode step on an accelerator (rft_jax.models.decode.fused_decode).
 DECODE_KERNEL_KINDS = ("auto", "xla", "fused", "fused_interpret")
 # Dtypes a config names (model.dtype, model.param_dtype, learner.ref_dtype).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -64,9 +64,9 @@ class QwenConfig:
       :func:`rft_jax.models.attention.attention_kind`).
     decode_kernels: the sampler's decode step on an accelerator (:data:`DECODE_KERNEL_KINDS`):
       ``auto`` (five Pallas kernels a layer on one GPU where they take the shapes, else XLA's),
-      ``xla``, ``fused`` (:mod:`rft_jax.models.fused_decode`), or ``fused_interpret`` (the same
+      ``xla``, ``fused`` (:mod:`rft_jax.models.decode.fused_decode`), or ``fused_interpret`` (the same
       kernels in Pallas' interpret mode, on any backend: for tests). It chooses the step on a
-      dense KV cache: CPUs decode feature-major (:mod:`rft_jax.models.feature_major`) and a paged
+      dense KV cache: CPUs decode feature-major (:mod:`rft_jax.models.decode.feature_major`) and a paged
       cache (``sampling.kv_pages``) with its paged attention, whatever this says.
     num_experts: E routed experts per MoE layer (0: a dense model).
     num_experts_per_tok: k experts each token is routed to.

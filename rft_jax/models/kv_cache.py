@@ -39,7 +39,7 @@ class KVCache:
   Attributes:
     k: per layer, ``[B, K, H, S]`` keys after RoPE (and q/k norm), slots last (in the CPU
       sampler's pool, tiled: ``[B, K, S / T, H, T]``,
-      :func:`rft_jax.models.cpu_attention.tile_keys`).
+      :func:`rft_jax.models.decode.cpu_attention.tile_keys`).
     v: per layer, ``[B, K, S, H]`` values.
     slot_mask: ``[B, S]`` True where a slot holds a real token.
     positions: ``[B]`` int32 RoPE position of each row's next token (its real-token count).

@@ -10,7 +10,7 @@ replaced by
 (reshaped to ``W``'s heads; summed in float32, stored in ``W``'s dtype), its other parameters
 shared: a ``Qwen`` without adapters, whose structure is the base model's. What reads weights
 directly reads the merged model: the sampler's decode kernels
-(:mod:`rft_jax.models.feature_major`, the cache path), the Hugging Face export
+(:mod:`rft_jax.models.decode.feature_major`, the cache path), the Hugging Face export
 (:func:`~rft_jax.models.save_hf` merges by itself).
 
 The merged weights are a copy of the targeted weights (all the layers' matrices with the default

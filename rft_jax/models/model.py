@@ -26,9 +26,9 @@ Decoding (``cache`` is a :class:`~rft_jax.models.kv_cache.KVCache` pytree)::
   logits, cache = model.prefill(prompt_ids, prompt_mask, cache)   # left-padded prompts
   logits, cache = model.decode_step(next_tokens, cache)           # one token per row
 
-A decode loop on CPU runs :mod:`rft_jax.models.feature_major` instead (the same step with
+A decode loop on CPU runs :mod:`rft_jax.models.decode.feature_major` instead (the same step with
 weight-first products on weights transposed once per loop; ``[V, B]`` logits), its attention by
-a compiled kernel on one device (:mod:`rft_jax.models.cpu_attention`).
+a compiled kernel on one device (:mod:`rft_jax.models.decode.cpu_attention`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from rft_jax.models.config import QwenConfig
 from rft_jax.models.decoder_layer import DecoderLayer, Rope, SelfAttention
 from rft_jax.models.kv_cache import (KVCache, init_cache, query_slots, visible_slots,
                                      write_slots)
-from rft_jax.models.paged_kv import PagedKVCache, paged_attention, write_token
+from rft_jax.models.decode.paged_kv import PagedKVCache, paged_attention, write_token
 from rft_jax.models.layers import RMSNorm, normal_init, param, rope_cos_sin
 from rft_jax.models.moe import Routing
 
@@ -133,7 +133,7 @@ class Qwen(nnx.Module):
     inside its ``while_loop`` body copies every layer's weights at every step; one that calls
     this once outside and passes the result as ``layers=`` copies them once per call (and holds
     the copy while it runs). The sampler's GPU loop does so; its CPU loop holds
-    :func:`~rft_jax.models.feature_major.decode_weights` instead.
+    :func:`~rft_jax.models.decode.feature_major.decode_weights` instead.
 
     Args:
       at: the layer indices ``0 .. L-1`` as traced int32 scalars, one per layer, to slice at
@@ -326,10 +326,10 @@ class Qwen(nnx.Module):
                         *, layers: tuple[DecoderLayer, ...] | None = None, kind: str = "xla",
                         mesh: Mesh | None = None, return_routing: bool = False
                         ) -> tuple[Float[Array, "S V"], PagedKVCache]:
-    """:meth:`decode_step` on a :class:`~rft_jax.models.paged_kv.PagedKVCache`: each writing
+    """:meth:`decode_step` on a :class:`~rft_jax.models.decode.paged_kv.PagedKVCache`: each writing
     slot's token goes at its position ``cache.lengths[s]`` (RoPE position and cache slot are
     the same there) and its query reads the slot's tokens up to itself; ``kind``: the paged
-    attention (:func:`~rft_jax.models.paged_kv.paged_attention`, a Pallas kernel laid out on
+    attention (:func:`~rft_jax.models.decode.paged_kv.paged_attention`, a Pallas kernel laid out on
     ``mesh``). The lengths of the writing slots advance by one; the others change nothing.
     ``return_routing``: an MoE model's expert ids ``[L, S, k]`` as a third element."""
     self._check_routing(return_routing)

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rft_jax.models import QwenConfig
 from rft_jax.models.hf import abstract_model
 from rft_jax.models.lora_model import adapted_weights
-from rft_jax.models.paged_kv import pages_for
+from rft_jax.models.decode.paged_kv import pages_for
 from rft_jax.parallel import DATA_AXIS, MODEL_AXIS, axis_if_divides, make_mesh
 from rft_jax.plan.parameters import parameter_report
 from rft_jax.plan.topology import GiB, Topology

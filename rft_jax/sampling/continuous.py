@@ -42,7 +42,7 @@ program's ``R x (P + M)``; ``SamplingParams.decode_slots`` bounds it. With
 follows the live tokens; :mod:`rft_jax.sampling.paged_pool`), one pool per data shard
 (:mod:`rft_jax.sampling.paged_shards`); on one CPU device the dense pool's attention kernel
 already reads only each row's live slots, and the pool holds its keys tiled for it
-(:func:`rft_jax.models.cpu_attention.tile_keys`: a block of slots is one stretch of memory).
+(:func:`rft_jax.models.decode.cpu_attention.tile_keys`: a block of slots is one stretch of memory).
 """
 
 from __future__ import annotations
@@ -55,15 +55,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import cpu_attention, feature_major, fused_decode
+from rft_jax.models.decode import cpu_attention
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.models.paged_kv import resolve_kind
 from rft_jax.parallel import Rules
 from rft_jax.sampling import paged_shards, routing_record
+from rft_jax.sampling.decoder import CPU_COMPILER_OPTIONS, Decoder, on_cpu
 from rft_jax.sampling.keys import completion_keys, step_uniforms
-from rft_jax.sampling import loop
-from rft_jax.sampling.loop import (CPU_COMPILER_OPTIONS, DecodeSpec, cache_slots, constrain,
-                                   cpu_attention_for, decode_state)
+from rft_jax.sampling.loop import DecodeSpec, cache_slots, constrain
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.pool_state import PoolState
 
@@ -130,7 +128,7 @@ def pool_stages(params: SamplingParams) -> int:
 
 def _empty_pool_cache(model, slots: int, width: int, dtype, tiled: bool) -> KVCache:
   """A pool cache of ``slots`` rows x ``width`` slots with one write index per row; ``tiled``:
-  its keys tiled (:func:`rft_jax.models.cpu_attention.tile_keys`), ``width`` rounded up to whole
+  its keys tiled (:func:`rft_jax.models.decode.cpu_attention.tile_keys`), ``width`` rounded up to whole
   tiles."""
   if tiled:
     width = cpu_attention.tiled_slots(width)
@@ -141,7 +139,7 @@ def _empty_pool_cache(model, slots: int, width: int, dtype, tiled: bool) -> KVCa
 
 
 def _tiled_prompts(prompt_cache: KVCache) -> KVCache:
-  """``prompt_cache`` with its keys tiled (:func:`rft_jax.models.cpu_attention.tile_keys`), their
+  """``prompt_cache`` with its keys tiled (:func:`rft_jax.models.decode.cpu_attention.tile_keys`), their
   slots padded to whole tiles (the slot mask keeps its ``P`` slots: :func:`_insert` copies the
   padding's keys too, into slots a row writes before it reads them)."""
   p = prompt_cache.max_len
@@ -201,30 +199,18 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     The final :class:`PoolState` without its cache: ``tokens``, ``logprobs``, ``lengths`` and
     ``done`` by sample (row ``b * n + j`` is sample ``j`` of prompt ``b``).
   """
-  model = nnx.merge(graphdef, state)
-  platform = loop.platform_of(mesh)  # through the module: tests set it
-  on_cpu = platform == "cpu"
-  if not on_cpu:
-    model = nnx.merge(graphdef, decode_state(model, mesh))
   b, p = prompt_ids.shape
   n, m = spec.n, spec.max_new_tokens
   r = b * n
   rows = ("batch", None)
+  decoder = Decoder.of(graphdef, state, spec, mesh=mesh, rows=spec.slots[0], layer_ids=layer_ids)
+  model, routed = decoder.model, decoder.routed
 
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
   prompt_cache = constrain(prompt_cache, axes, mesh, rules)
-  layers = model.unstacked_layers(layer_ids if on_cpu else None)
-  step_layers = layers if platform == "gpu" else None  # see loop.py: GPUs slice layers once
-  kernels = None if on_cpu else fused_decode.decode_kernels_kind(
-      model.config, platform, loop.devices_of(mesh), spec.slots[0])  # the dense cache's step
-  routed = routing_record.records_routing(model, spec)
-  logits, prompt_cache, prompt_routing = routing_record.prefill(
-      model, prompt_ids, prompt_mask, prompt_cache, mesh=mesh, layers=layers, routed=routed)
-  weights = feature_major.decode_weights(model, layers) if on_cpu else None
-  attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
-  # The kernel reads tiled keys faster (rft_jax.models.cpu_attention.tile_keys).
-  tiled = attention is cpu_attention.attend and spec.kv_pages is None
+  logits, prompt_cache, prompt_routing = decoder.prefill(prompt_ids, prompt_mask, prompt_cache)
+  tiled = decoder.backend.tiled_keys
   prompt_lengths = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
 
   uniforms = constrain(step_uniforms(completion_keys(seed, fingerprints, n), m), rows, mesh, rules)
@@ -242,8 +228,6 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
     pool_cache = _empty_pool_cache(model, size, cache_slots(p, m), spec.cache_dtype, tiled)
     pool_axes = pool_cache.logical_axes()
     pool_cache = constrain(pool_cache, pool_axes, mesh, rules)
-  paged_kind = resolve_kind(spec.paged_attention, platform, spec.page_size, model.config.head_dim,
-                            loop.device_kind_of(mesh))
   pool = PoolState(
       admitted=jnp.zeros((), jnp.int32),
       sample=jnp.full((size,), r, jnp.int32),
@@ -279,14 +263,9 @@ def _sample_pool(graphdef: nnx.GraphDef, state: nnx.State,
   def decode(s: PoolState, sample_uniforms: Float[Array, "R M"] = uniforms) -> PoolState:
     u = s.slot_uniforms(sample_uniforms)
     if spec.kv_pages is not None:
-      out = model.paged_decode_step(s.last_tokens, s.cache, s.running,
-                                    layers=layers if on_cpu else step_layers,
-                                    kind=paged_kind, mesh=mesh, **routing_record.asked(routed))
-      (logits, cache, fed_ids), vocab_axis = routing_record.split_step(out, routed), 1
+      (logits, cache, fed_ids), vocab_axis = decoder.paged_step(s.last_tokens, s.cache, s.running)
     else:  # stopped slots skip attention
-      (logits, cache, fed_ids), vocab_axis = loop.dense_cache_step(
-          model, s.last_tokens, s.cache, s.running, weights=weights, attention=attention,
-          step_layers=step_layers, kernels=kernels, routed=routed)
+      (logits, cache, fed_ids), vocab_axis = decoder.step(s.last_tokens, s.cache, s.running)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     if spec.kv_pages is None:
       cache = constrain(cache, pool_axes, mesh, rules)
@@ -318,4 +297,4 @@ sample_pool_cpu = jax.jit(_sample_pool, static_argnames=_STATIC,
 def pool_for(mesh: Mesh | None):
   """The compiled :func:`sample_pool` for the devices of ``mesh`` (the default devices without
   one): :data:`sample_pool_cpu` on CPU, else :data:`sample_pool`."""
-  return sample_pool_cpu if loop.on_cpu(mesh) else sample_pool
+  return sample_pool_cpu if on_cpu(mesh) else sample_pool

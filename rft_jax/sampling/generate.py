@@ -26,7 +26,7 @@ from rft_jax.parallel import (DATA_AXIS, DEFAULT_RULES, Rules, global_array, hos
 from rft_jax.sampling.buckets import batch_bucket, prompt_length_bucket
 from rft_jax.sampling.keys import prompt_fingerprints
 from rft_jax.sampling.continuous import PoolSpec, pool_for
-from rft_jax.sampling import loop
+from rft_jax.sampling import decoder
 from rft_jax.sampling.loop import LoopSpec, layer_indices, loop_for
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.rollouts import OnDevice, Rollouts
@@ -137,7 +137,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], params: Sampli
   fingerprints[:num] = prompt_fingerprints(prompts)  # occurrence numbers count the whole list
   live = np.arange(total) < num
 
-  spec = call_spec(params, batch * n, data, cache_dtype, loop.platform_of(mesh))
+  spec = call_spec(params, batch * n, data, cache_dtype, decoder.platform_of(mesh))
   sample_loop = program_for(params, mesh)
   outs = []
   for call in range(calls):  # one compiled program for every call: the same shapes

@@ -26,7 +26,6 @@ batch bucket. Tokens drawn by done rows are not recorded: their slots hold token
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import flax.struct
 import jax
@@ -36,11 +35,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import cpu_attention, feature_major, fused_decode
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.parallel import TP_RULES, Rules, first_device, state_shardings, tree_shardings
-from rft_jax.parallel import platform_of as parallel_platform_of
+from rft_jax.parallel import Rules, tree_shardings
 from rft_jax.sampling import routing_record
+from rft_jax.sampling.decoder import CPU_COMPILER_OPTIONS, Decoder, on_cpu
 from rft_jax.sampling.keys import completion_keys, step_uniforms
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.strategies import Strategy
@@ -200,34 +198,17 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
     The final :class:`LoopState` without its cache (row ``b * n + j`` is sample ``j`` of prompt
     ``b``).
   """
-  model = nnx.merge(graphdef, state)
-  platform = platform_of(mesh)
-  on_cpu = platform == "cpu"
-  if not on_cpu:
-    model = nnx.merge(graphdef, decode_state(model, mesh))
   b, p = prompt_ids.shape
   n, m = spec.n, spec.max_new_tokens
   rows = ("batch", None)
+  decoder = Decoder.of(graphdef, state, spec, mesh=mesh, rows=b * n, layer_ids=layer_ids)
+  model = decoder.model
 
   prompt_cache = model.init_cache(b, p, dtype=spec.cache_dtype)
   axes = prompt_cache.logical_axes()
   prompt_cache = constrain(prompt_cache, axes, mesh, rules)
-  layers = model.unstacked_layers(layer_ids if on_cpu else None)
-  # XLA:GPU copies a slice that feeds a matrix product: sliced in the loop, every decode step
-  # copies every layer's weights, a large share of its kernels and kernel time
-  # (docs/results/gpu.md#the-decode-step-against-the-memory-bound).
-  # GPUs slice them once and hold the slices while the call runs; TPUs fuse
-  # the slices into the products and slice in the loop.
-  step_layers = layers if platform == "gpu" else None
-  # One GPU decodes with five Pallas kernels a layer where they take the shapes
-  # (QwenConfig.decode_kernels, rft_jax.models.fused_decode); CPUs decode feature-major.
-  kernels = None if on_cpu else fused_decode.decode_kernels_kind(model.config, platform,
-                                                                 devices_of(mesh), b * n)
-  routed = routing_record.records_routing(model, spec)
-  logits, prompt_cache, prompt_routing = routing_record.prefill(
-      model, prompt_ids, prompt_mask, prompt_cache, mesh=mesh, layers=layers, routed=routed)
-  weights = feature_major.decode_weights(model, layers) if on_cpu else None
-  attention = cpu_attention_for(prompt_cache, mesh) if on_cpu else None
+  logits, prompt_cache, prompt_routing = decoder.prefill(prompt_ids, prompt_mask, prompt_cache)
+  routed = decoder.routed
 
   def repeat(x):
     return jnp.repeat(x, n, axis=0, total_repeat_length=x.shape[0] * n)
@@ -253,9 +234,8 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
   loop = _record(loop, tokens, logp, spec.is_stop(tokens))
 
   def body(s: LoopState) -> LoopState:
-    (logits, cache, fed_ids), vocab_axis = dense_cache_step(
-        model, s.last_tokens, s.cache, ~s.done, weights=weights, attention=attention,
-        step_layers=step_layers, kernels=kernels, routed=routed)  # done rows skip attention
+    # done rows skip attention
+    (logits, cache, fed_ids), vocab_axis = decoder.step(s.last_tokens, s.cache, ~s.done)
     u = jax.lax.dynamic_index_in_dim(uniforms, s.step, axis=1, keepdims=False)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
     s = s.replace(cache=constrain(cache, axes, mesh, rules))
@@ -273,33 +253,8 @@ def _sample_loop(graphdef: nnx.GraphDef, state: nnx.State,
 _STATIC = ("graphdef", "spec", "mesh", "rules")
 sample_loop = jax.jit(_sample_loop, static_argnames=_STATIC)
 
-# XLA:CPU spends most of a sampler's compile time in LLVM, on the elementwise kernels around the
-# matrix products (library kernels, compiled already). LLVM at -O2 instead of XLA's -O3 compiles
-# the sampler faster, and it runs as fast (docs/results/cpu.md#the-cpu-samplers-compile-time). A
-# level set in XLA_FLAGS wins (the test suite compiles at -O0: tests/conftest.py).
-CPU_COMPILER_OPTIONS = ({} if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
-                        else {"xla_backend_optimization_level": 2})
 sample_loop_cpu = jax.jit(_sample_loop, static_argnames=_STATIC,
                           compiler_options=CPU_COMPILER_OPTIONS)
-
-
-def dense_cache_step(model, tokens: Int[Array, "R"], cache: KVCache, live: Bool[Array, "R"], *, weights,
-                     attention, step_layers, kernels, routed: bool):
-  """One decode step on a dense (unpaged) cache, as the static and continuous programs take it:
-  ``((logits, cache, fed expert ids or None), vocab_axis)``. On CPU (``weights`` given) the
-  weight-first step of :mod:`rft_jax.models.feature_major` (``[V, R]`` logits; rows not
-  ``live`` skip attention); on an accelerator the fused kernels' step
-  (:func:`rft_jax.models.fused_decode.decode_step`, ``kernels``), or the model's own for a
-  mixture of experts, which the fused kernels decline (``[R, V]`` logits)."""
-  if weights is not None:
-    out = feature_major.decode_step(model, weights, tokens, cache, attention, live=live,
-                                    **routing_record.asked(routed))
-    return routing_record.split_step(out, routed), 0
-  if model.config.is_moe:
-    out = model.decode_step(tokens, cache, layers=step_layers, **routing_record.asked(routed))
-  else:
-    out = fused_decode.decode_step(model, tokens, cache, step_layers, kernels)
-  return routing_record.split_step(out, routed), 1
 
 
 def layer_indices(num_layers: int) -> tuple[np.int32, ...]:
@@ -311,56 +266,6 @@ def loop_for(mesh: Mesh | None):
   """The compiled :func:`sample_loop` for the devices of ``mesh`` (the default devices without
   one): :data:`sample_loop_cpu` on CPU, else :data:`sample_loop`."""
   return sample_loop_cpu if on_cpu(mesh) else sample_loop
-
-
-def decode_state(model, mesh: Mesh | None) -> nnx.State:
-  """The state an accelerator's loop decodes with, made once per call: the matrices in the
-  compute dtype (:meth:`~rft_jax.models.Qwen.state_in_compute_dtype`: with the paper's float32
-  parameters a step reads half the bytes) and sharded over the mesh's ``model`` axis only
-  (:data:`~rft_jax.parallel.TP_RULES`). Laid out as the learner keeps them, FSDP over ``data``,
-  the loop gathers every layer's weights over ``data`` at every step (the collectives a step:
-  ``docs/results/gpu.md#the-decode-step-against-the-memory-bound``); gathered here, once per
-  call, it runs none, holding a copy of the weights replicated over ``data``, which costs no
-  more memory than the per-step gathers did (the paper's configs:
-  ``docs/results/plans.md#the-papers-six-configs-dense-cache-v5p``)."""
-  state = model.state_in_compute_dtype()
-  if mesh is None:
-    return state
-  return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, TP_RULES))
-
-
-def on_cpu(mesh: Mesh | None) -> bool:
-  """Whether the program runs on CPU, where decode steps run feature-major
-  (:mod:`rft_jax.models.feature_major`: weight-first products on a transposed copy of the layer
-  weights, made once per call and held while it runs); elsewhere they run
-  :meth:`Qwen.decode_step` on the weights of :func:`decode_state`, made once per call (GPUs
-  also slice its layers apart once; TPUs slice them in the loop)."""
-  return platform_of(mesh) == "cpu"
-
-
-def cpu_attention_for(cache: KVCache, mesh: Mesh | None):
-  """The CPU decode step's attention: the compiled kernel (:mod:`rft_jax.models.cpu_attention`)
-  for a float32 cache on one CPU device, where it is built; else ``feature_major.attend``."""
-  one_cpu = (mesh is None or mesh.devices.size == 1) and platform_of(mesh) == "cpu"
-  if one_cpu and cache.dtype == jnp.float32 and cpu_attention.available():
-    return cpu_attention.attend
-  return feature_major.attend
-
-
-def platform_of(mesh: Mesh | None) -> str:
-  """:func:`rft_jax.parallel.platform_of`, looked up here (tests set it to compile another
-  platform's program on CPU)."""
-  return parallel_platform_of(mesh)
-
-
-def devices_of(mesh: Mesh | None) -> int:
-  """How many devices ``mesh`` has (one without a mesh: the default device)."""
-  return 1 if mesh is None else mesh.devices.size
-
-
-def device_kind_of(mesh: Mesh | None) -> str:
-  """The ``device_kind`` of ``mesh``'s devices (else the default ones), e.g. ``TPU v5``."""
-  return first_device(mesh).device_kind
 
 
 def _grow(cache: KVCache, slots: int, repeats: int) -> KVCache:

@@ -2,7 +2,7 @@ r"""Continuous batching on a paged KV cache: the pool's memory follows its live 
 
 :mod:`rft_jax.sampling.continuous` gives each decode slot a cache row of ``P + M`` slots, so
 the pool's memory is ``S x (P + M)`` whatever the samples' lengths. Here the keys and values
-live in ``N`` pages of ``page_size`` tokens (:mod:`rft_jax.models.paged_kv`) handed out as the
+live in ``N`` pages of ``page_size`` tokens (:mod:`rft_jax.models.decode.paged_kv`) handed out as the
 samples grow, so ``S`` slots need only as many pages as their live tokens fill, and a pool can
 hold many more slots than full-width rows would fit:
 
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models.paged_kv import PagedKVCache, init_paged_cache, pages_for, prompt_pages
+from rft_jax.models.decode.paged_kv import PagedKVCache, init_paged_cache, pages_for, prompt_pages
 from rft_jax.sampling.pool_state import PoolState
 
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.models.paged_kv import pages_for
+from rft_jax.models.decode.paged_kv import pages_for
 from rft_jax.parallel import DATA_AXIS, Rules
 from rft_jax.sampling import paged_pool
 from rft_jax.sampling.loop import constrain

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rft_jax.models.paged_kv import PAGED_ATTENTION_KINDS
+from rft_jax.models.decode.paged_kv import PAGED_ATTENTION_KINDS
 
 SCHEDULERS = ("continuous", "static")
 
@@ -82,9 +82,9 @@ class SamplingParams:
       shard's pages run out. None: a full-width cache row per slot. ``rft-jax plan`` sizes it
       from memory.
     page_size: tokens per page of the paged cache (a power of two suits the Pallas kernels).
-    paged_attention: attention over the pages (``rft_jax.models.paged_kv``): ``auto`` (jax's
+    paged_attention: attention over the pages (``rft_jax.models.decode.paged_kv``): ``auto`` (jax's
       Pallas kernel on a TPU where Mosaic takes the shapes, and on a GPU where Triton does
-      (``rft_jax.models.paged_kv.resolve_kind``); XLA's gather
+      (``rft_jax.models.decode.paged_kv.resolve_kind``); XLA's gather
       elsewhere), ``xla``, ``pallas_gpu``, ``pallas_tpu``, ``pallas_tpu_megacore`` (the TPU
       kernel over both TensorCores of a v4 or v5p chip; opt-in, not yet run on one). The same
       samples to the kernels' rounding.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rft_jax.models.kv_cache import KVCache
-from rft_jax.models.paged_kv import PagedKVCache
+from rft_jax.models.decode.paged_kv import PagedKVCache
 from rft_jax.sampling.routing_record import write_fed
 
 

@@ -155,7 +155,7 @@ class Strategy:
 
     Args:
       logits: raw next-token logits, ``[B, V]``; or ``[V, B]`` with ``vocab_axis=0`` (what
-        ``rft_jax.models.feature_major.decode_step`` returns; plain and greedy sampling then run
+        ``rft_jax.models.decode.feature_major.decode_step`` returns; plain and greedy sampling then run
         on that layout, truncated sampling on its transpose).
       uniforms: ``[B]`` float32 in ``[0, 1)``, one per row, what a draw inverts
         (:func:`~rft_jax.sampling.keys.step_uniforms`; unused when greedy).

@@ -26,7 +26,7 @@ gives a single-turn completion's; so a trajectory's first turn is the completion
 history every turn (``keep_cache=False`` in :mod:`rft_jax.rollout.multi_turn`) samples the same
 trajectories (log-probabilities to float32 rounding).
 
-The decode step is the single-turn programs' (:func:`rft_jax.sampling.loop.dense_cache_step`):
+The decode step is the single-turn programs' (:meth:`rft_jax.sampling.decoder.Decoder.step`):
 feature-major on CPU, the fused kernels on one GPU. A paused row still takes part in the weight
 products (the step's shapes are the pool's) but not in attention, and its write index, position
 and slot mask are kept (:func:`_keep_paused`), so the slot its step wrote is overwritten before
@@ -45,11 +45,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rft_jax.models import feature_major, fused_decode
+from rft_jax.models.decode import feature_major
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import Rules
-from rft_jax.sampling import loop
-from rft_jax.sampling.loop import CPU_COMPILER_OPTIONS, constrain, cpu_attention_for, decode_state
+from rft_jax.sampling.decoder import (CPU_COMPILER_OPTIONS, Decoder, backend_for, decode_state,
+                                      on_cpu)
+from rft_jax.sampling.loop import SLOT_MULTIPLE, constrain
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.strategies import Strategy
 
@@ -97,7 +98,7 @@ class TurnSpec:
 
   @classmethod
   def of(cls, params: SamplingParams, slots: int, width: int, cache_dtype=None) -> TurnSpec:
-    return cls(slots=slots, width=-(-width // loop.SLOT_MULTIPLE) * loop.SLOT_MULTIPLE,
+    return cls(slots=slots, width=-(-width // SLOT_MULTIPLE) * SLOT_MULTIPLE,
                stop_token_ids=params.stop_token_ids, strategy=Strategy.of(params),
                cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype))
 
@@ -119,7 +120,7 @@ def feed_width(tokens: int) -> int:
 class DecodeModel(flax.struct.PyTreeNode):
   """The model state the programs decode with, made once per rollout (:func:`decode_model`):
   on an accelerator the weights in the compute dtype laid out for decoding
-  (:func:`~rft_jax.sampling.loop.decode_state`), on CPU also the transposed weights of the
+  (:func:`~rft_jax.sampling.decoder.decode_state`), on CPU also the transposed weights of the
   feature-major step."""
 
   state: nnx.State
@@ -128,7 +129,7 @@ class DecodeModel(flax.struct.PyTreeNode):
 
 def _decode_model(graphdef: nnx.GraphDef, state: nnx.State, *, mesh: Mesh | None) -> DecodeModel:
   model = nnx.merge(graphdef, state)
-  if loop.platform_of(mesh) != "cpu":
+  if not on_cpu(mesh):
     return DecodeModel(decode_state(model, mesh), None)
   return DecodeModel(state, feature_major.decode_weights(model, model.unstacked_layers()))
 
@@ -208,23 +209,17 @@ def _decode(graphdef: nnx.GraphDef, model_state: DecodeModel, state: TurnState,
             steps: int, spec: TurnSpec, mesh: Mesh | None, rules: Rules
             ) -> tuple[TurnState, Chunk]:
   """Up to ``steps`` decode steps of the running rows (see the module docstring)."""
-  model = nnx.merge(graphdef, model_state.state)
-  platform = loop.platform_of(mesh)
-  on_cpu = platform == "cpu"
-  weights = model_state.weights
-  attention = cpu_attention_for(state.cache, mesh) if on_cpu else None
-  step_layers = model.unstacked_layers() if platform == "gpu" else None
-  kernels = None if on_cpu else fused_decode.decode_kernels_kind(
-      model.config, platform, loop.devices_of(mesh), spec.slots)
+  config = nnx.merge(graphdef, model_state.state).config
+  decoder = Decoder(graphdef, model_state.state, backend_for(config, spec, mesh, spec.slots),
+                    mesh=mesh)  # the weights are decode_state's already: no copy
+  decoder.decode_weights(model_state.weights)
   axes = state.cache.logical_axes()
   s = spec.slots
   keys = jax.random.wrap_key_data(state.keys)
 
   def body(carry):
     i, st, chunk = carry
-    (logits, cache, _), vocab_axis = loop.dense_cache_step(
-        model, st.last_tokens, st.cache, st.running, weights=weights, attention=attention,
-        step_layers=step_layers, kernels=kernels, routed=False)
+    (logits, cache, _), vocab_axis = decoder.step(st.last_tokens, st.cache, st.running)
     cache = constrain(_keep_paused(st.cache, cache, st.running), axes, mesh, rules)
     u = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t), (), jnp.float32))(
         keys, st.counts)
@@ -254,7 +249,7 @@ decode_cpu = jax.jit(_decode, static_argnames=_DECODE_STATIC, donate_argnames=("
 
 def decode_for(mesh: Mesh | None):
   """The compiled :func:`decode` for the devices of ``mesh``: :data:`decode_cpu` on CPU."""
-  return decode_cpu if loop.on_cpu(mesh) else decode
+  return decode_cpu if on_cpu(mesh) else decode
 
 
 class TurnPool:

@@ -25,7 +25,7 @@ from rft_jax.data.datasets import FORMATS
 from rft_jax.entropy.clipping import LOGP_SOURCES, SAMPLES
 from rft_jax.models.config import ATTENTION_KINDS, DECODE_KERNEL_KINDS, DTYPES
 from rft_jax.models.lora import ALL_LINEAR, LORA_TARGETS, LoraConfig
-from rft_jax.models.paged_kv import PAGED_ATTENTION_KINDS
+from rft_jax.models.decode.paged_kv import PAGED_ATTENTION_KINDS
 from rft_jax.models.tokenizer import CHAT_TEMPLATE_MODES
 from rft_jax.rewards.extract import EXTRACTORS
 from rft_jax.rewards.schemes import SCHEMES, RewardConfig

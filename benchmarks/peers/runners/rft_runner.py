@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from common import decode_steps, group_advantages, load_batch, reward, serve  # noqa: E402
-from rft_jax.models import cpu_attention, load_hf  # noqa: E402
+from rft_jax.models import load_hf  # noqa: E402
+from rft_jax.models.decode import cpu_attention  # noqa: E402
 from rft_jax.rl.config import LearnerConfig  # noqa: E402
 from rft_jax.rl.learner import Learner, LearnerBatch, learner_batch  # noqa: E402
 from rft_jax.rl.optimizer import OptimizerConfig  # noqa: E402

@@ -9,13 +9,13 @@ memory bound (figures: ``docs/results/gpu.md#the-decode-step-against-the-memory-
 step runs each layer as five Pallas kernels, reading every weight once:
 
 1. RMSNorm and the q, k and v products (with their biases):
-   :func:`~rft_jax.models.decode_projections.norm_projections`;
+   :func:`~rft_jax.models.decode.decode_projections.norm_projections`;
 2. (Qwen3's q/k norms,) RoPE, the new key and value written into the layer's cache in place, and
-   attention over the cache: :func:`~rft_jax.models.decode_attention.fused_decode_attention`;
+   attention over the cache: :func:`~rft_jax.models.decode.decode_attention.fused_decode_attention`;
 3. the output product and the residual add:
-   :func:`~rft_jax.models.decode_projections.residual_projection`;
+   :func:`~rft_jax.models.decode.decode_projections.residual_projection`;
 4. RMSNorm, the gate and up products and SwiGLU:
-   :func:`~rft_jax.models.decode_projections.swiglu_projection`;
+   :func:`~rft_jax.models.decode.decode_projections.swiglu_projection`;
 5. the down product and the residual add (as 3).
 
 Around the layers a step keeps XLA's embedding gather, the RoPE rows, the slot-mask write, the
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from rft_jax.models import decode_attention, decode_projections
+from rft_jax.models.decode import decode_attention, decode_projections
 from rft_jax.models.config import DECODE_KERNEL_KINDS, QwenConfig
 from rft_jax.models.kv_cache import KVCache, write_slots
 from rft_jax.models.layers import rope_inv_freq

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from rft_jax.models import cpu_attention
+from rft_jax.models.decode import cpu_attention
 from rft_jax.models.attention import MASKED_SCORE
 from rft_jax.models.kv_cache import KVCache, query_slots, visible_slots, write_slots
 from rft_jax.models.layers import rms_norm, rotate
@@ -139,7 +139,7 @@ def attend(q: Float[Array, "B K G H"], k_cache: Float[Array, "B K H S"],
   share of that step: the sum over ``H`` is a reduction, which XLA:CPU runs on one thread (a
   ``jax.profiler`` trace shows it); summed as 64 products added pairwise, an elementwise fusion
   split over the cores, the step gains too little for 64-term kernels. So on one CPU device the
-  sampler runs :func:`rft_jax.models.cpu_attention.attend` instead, a compiled kernel that reads
+  sampler runs :func:`rft_jax.models.decode.cpu_attention.attend` instead, a compiled kernel that reads
   only each row's live slots, on both cores, a faster step. Figures:
   ``docs/results/cpu.md#feature-major-decoding``.
   """
@@ -161,10 +161,10 @@ def decode_step(model, weights: DecodeWeights, tokens: Int[Array, "B"], cache: K
     weights: :func:`decode_weights` of ``model``.
     tokens: ``[B]`` each row's latest token.
     cache: the decode cache; slot ``cache.index`` (shared or per row) receives the tokens. Its
-      keys may be tiled (:func:`rft_jax.models.cpu_attention.tile_keys`) when ``attention`` is
+      keys may be tiled (:func:`rft_jax.models.decode.cpu_attention.tile_keys`) when ``attention`` is
       the kernel, which reads both layouts.
     attention: :func:`attend`, or what computes the same
-      (:func:`rft_jax.models.cpu_attention.attend`, a compiled kernel).
+      (:func:`rft_jax.models.decode.cpu_attention.attend`, a compiled kernel).
     live: ``[B]`` the rows whose logits the caller keeps (None: all). The others, such as a
       continuous pool's stopped slots, attend to the slot they write only, so that the kernel,
       which reads a row's live slots only, skips their caches; their logits mean nothing.

@@ -1,5 +1,5 @@
 r"""A decode step's attention on CPU as one compiled kernel (``cpu_attention.cc``, an XLA FFI
-custom call): what :func:`rft_jax.models.feature_major.attend` computes, faster.
+custom call): what :func:`rft_jax.models.decode.feature_major.attend` computes, faster.
 
 XLA:CPU runs that step's attention as a few small fusions: the score sum over ``H`` on one
 thread, every cache slot read (live or not, up to the cache's length); on the peers' large model
@@ -219,7 +219,7 @@ def write_tiled_keys(k_cache: Float[Array, "B K S/T H T"], keys: Float[Array, "B
 def attend(q: Float[Array, "B K G H"],
            k_cache: Float[Array, "B K H S"] | Float[Array, "B K S/T H T"],
            v_cache: Float[Array, "B K S H"], mask: Bool[Array, "B S"]) -> Float[Array, "B K G H"]:
-  """:func:`~rft_jax.models.feature_major.attend` by the kernel, in float32, on one CPU device
+  """:func:`~rft_jax.models.decode.feature_major.attend` by the kernel, in float32, on one CPU device
   only (XLA cannot split a custom call over a mesh; no other platform has a handler for it); where
   :func:`available` is False, an error. The keys may be tiled (:func:`tile_keys`): the same
   results, bit for bit."""

@@ -1,8 +1,8 @@
 // One decode step's attention on CPU: one query per row against its cache, reading only the
 // slots between each row's first and last live slot (widened to multiples of 16), split over XLA's
 // intra-op thread pool. Keys [B, K, H, S] or tiled, [B, K, S / T, H, T].
-// Built and loaded by rft_jax/models/cpu_attention.py, which documents what it computes
-// and why; the arithmetic is that of rft_jax.models.feature_major.attend in float32.
+// Built and loaded by rft_jax/models/decode/cpu_attention.py, which documents what it computes
+// and why; the arithmetic is that of rft_jax.models.decode.feature_major.attend in float32.
 
 #include <algorithm>
 #include <atomic>
