@@ -1,0 +1,84 @@
+"""The ``rollout:`` keys: multi-turn trajectories with an environment (and its tools)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+TURN_REWARDS = ("sum", "last")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+  """How a step's rollouts are made. With no ``environment`` a rollout is one completion of the
+  prompt, scored by ``rewards``; with one, it is a trajectory of turns: the model's, then the
+  environment's reply, until the environment says done or a limit ends it.
+
+  Attributes:
+    environment: empty (single turn), a built-in environment (``guess_number``, ``tools``), a
+      skyrl-gym one (``skyrl_gym:gsm8k_multi_turn``; ``pip install 'rft_jax[agents]'``), or
+      ``package.module:ClassName`` of your own (constructed as skyrl-gym's are:
+      ``Class(env_config=..., extras=...)``).
+    environment_config: passed to the environment as ``env_config``.
+    extras_field: the dataset column (a dict, or a JSON object as text) passed to each row's
+      environment as ``extras`` (e.g. skyrl-gym's ``reward_spec``); empty: ``{"answer": ...}``
+      from the row's answer column.
+    tools: tool functions the model may call (``calculator``, ``python``, or
+      ``package.module:function``): their schemas go into the prompt through the chat
+      template's ``tools=``, and the ``tools`` environment runs the calls.
+    tools_allow_unsandboxed: run the ``python`` tool without its bubblewrap sandbox when
+      bubblewrap is missing (otherwise refused).
+    max_turns: model turns per trajectory at most; a trajectory still going after them is cut
+      (truncated).
+    max_trajectory_tokens: the model's and the environment's tokens after the prompt, at most
+      (None: ``sampling.max_new_tokens``); the learner's completion width.
+    turn_rewards: a trajectory's reward from its turns' rewards: their ``sum`` or the ``last``.
+    env_workers: worker processes that host the environments.
+    env_step_timeout_s: an environment step's wall-clock limit; a step past it ends its
+      trajectory (counted as a timeout).
+    env_max_error_fraction: a step stops the run when more of its environment steps than this
+      fraction raised, timed out or returned something malformed.
+    decode_chunk: decode steps between the host's visits (ended turns handed to their
+      environments, replies fed).
+    keep_cache: a trajectory's KV cache is kept across its turns and each reply appended;
+      False feeds the whole history again every turn (the same samples, slower).
+  """
+
+  environment: str = ""
+  environment_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+  extras_field: str = ""
+  tools: list[str] = dataclasses.field(default_factory=list)
+  tools_allow_unsandboxed: bool = False
+  max_turns: int = 4
+  max_trajectory_tokens: Optional[int] = None
+  turn_rewards: str = "sum"
+  env_workers: int = 4
+  env_step_timeout_s: float = 30.0
+  env_max_error_fraction: float = 0.25
+  decode_chunk: int = 32
+  keep_cache: bool = True
+
+  def __post_init__(self):
+    if self.max_turns < 1:
+      raise ValueError(f"rollout.max_turns={self.max_turns} must be at least 1")
+    if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < 1:
+      raise ValueError(f"rollout.max_trajectory_tokens={self.max_trajectory_tokens} must be at "
+                       "least 1")
+    if self.turn_rewards not in TURN_REWARDS:
+      raise ValueError(f"rollout.turn_rewards={self.turn_rewards!r} must be one of {TURN_REWARDS}")
+    if self.env_workers < 1:
+      raise ValueError(f"rollout.env_workers={self.env_workers} must be at least 1")
+    if not self.env_step_timeout_s > 0:
+      raise ValueError(f"rollout.env_step_timeout_s={self.env_step_timeout_s} must be positive")
+    if not 0 <= self.env_max_error_fraction <= 1:
+      raise ValueError(f"rollout.env_max_error_fraction={self.env_max_error_fraction} must be in "
+                       "[0, 1]")
+    if self.decode_chunk < 1:
+      raise ValueError(f"rollout.decode_chunk={self.decode_chunk} must be at least 1")
+    if self.tools and not self.environment:
+      raise ValueError("rollout.tools need an environment that runs them: set "
+                       "rollout.environment=tools")
+
+  @property
+  def multi_turn(self) -> bool:
+    return bool(self.environment)

@@ -1,0 +1,89 @@
+"""Multi-turn rollouts (rft_jax.rollout.multi_turn) with a real environment in worker processes:
+the number-guessing game on a tiny random model.
+
+* Masks: every token an environment fed is 0, every token the model drew is 1, and the ids are
+  those the sampler fed: a forward pass over prompt and trajectory gives back the sampler's
+  log-probabilities of the model's tokens.
+* A kept cache and the whole history fed again give the same trajectories.
+* The learner's batch of the trajectories trains on the model's tokens only.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from agent_fixtures import make_agent_tokenizer
+from hf_fixtures import make_tiny_qwen
+from rft_jax.environments import EnvironmentWorkers
+from rft_jax.models.hf import load_hf
+from rft_jax.rl.learner import learner_batch
+from rft_jax.rollout.config import RolloutConfig
+from rft_jax.rollout.conversation import reply_ids
+from rft_jax.rollout.multi_turn import Problem, run_trajectories
+from rft_jax.rollout.trajectory import trajectory_rollouts
+from rft_jax.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+  root = tmp_path_factory.mktemp("agent")
+  tokenizer = AutoTokenizer.from_pretrained(make_agent_tokenizer(root))
+  model = load_hf(make_tiny_qwen(root, "qwen3"))
+  with EnvironmentWorkers(2, step_timeout_s=30) as workers:
+    yield model, tokenizer, workers
+
+
+PROBLEMS = [Problem([], {"secret": 17, "max_turns": 3}), Problem([], {"secret": 40, "max_turns": 3})]
+PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=120, stop_token_ids=(2,))
+
+
+def trajectories(parts, **overrides):
+  model, tokenizer, workers = parts
+  cfg = RolloutConfig(environment="guess_number", max_turns=3, decode_chunk=6,
+                      **overrides)
+  return run_trajectories(model, tokenizer, PROBLEMS, PARAMS, cfg, workers, seed=3)
+
+
+def test_masks_and_the_ids_the_sampler_fed(parts):
+  model, tokenizer, _ = parts
+  out = trajectories(parts)
+  assert len(out) == 6 and all(t.ending in ("done", "truncated") for t in out)
+  assert sum(t.model_turns > 1 for t in out) >= 2, "too few trajectories went on after a turn"
+  for t in out:
+    assert len(t.ids) == len(t.mask) == len(t.logprobs) <= PARAMS.max_new_tokens
+    for turn in t.turns:
+      ids, mask = t.ids[turn.start:turn.end], t.mask[turn.start:turn.end]
+      if turn.role == "assistant":
+        assert set(mask) == {1}
+        assert ids[-1] == 2 or turn is t.turns[-1]  # a turn ends at <|im_end|>, or the budget
+      else:  # the environment's reply, tokenized on its own
+        assert set(mask) == {0}
+        assert ids == reply_ids(tokenizer, turn.messages, 2)
+    logits = model(np.asarray([t.prompt_ids + t.ids]))[0]
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    p = len(t.prompt_ids)
+    for k in np.flatnonzero(t.mask):
+      assert abs(logp[p + k - 1, t.ids[k]] - t.logprobs[k]) < 1e-5
+
+
+def test_a_kept_cache_gives_the_trajectories_a_refed_history_gives(parts):
+  kept, again = trajectories(parts), trajectories(parts, keep_cache=False)
+  assert [t.ids for t in kept] == [t.ids for t in again]
+  assert [t.rewards for t in kept] == [t.rewards for t in again]
+
+
+def test_the_learner_trains_on_the_model_tokens_only(parts):
+  out = trajectories(parts)
+  rollouts = trajectory_rollouts(out, PARAMS.n, PARAMS.max_new_tokens)
+  batch = learner_batch(rollouts)
+  p = rollouts.prompt_ids.shape[1]
+  for i, t in enumerate(out):
+    k = len(t.ids)
+    np.testing.assert_array_equal(batch.response_mask[i, p:p + k], t.mask)
+    assert batch.attention_mask[i, p:p + k].all()  # the environment's tokens are read
+    assert not batch.response_mask[i, p + k:].any()
