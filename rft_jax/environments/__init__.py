@@ -2,10 +2,11 @@
 
 ``base`` (``Environment``: ``init`` / ``step`` / ``close``; ``check_step_output``), ``registry``
 (environments by name: builtins, ``skyrl_gym:<id>``, ``package.module:ClassName``),
-``guess_number`` (a builtin: guess a number told higher or lower), ``workers`` (one environment
-per trajectory in killable worker processes, each call bounded in time; futures of outcomes;
-timeouts recovered by replay), ``faults`` (a step's outcomes counted, and the bound on the
-fraction that failed). ``host`` and ``records`` are the workers' and the trainer's halves of
+``guess_number`` (a builtin: guess a number told higher or lower), ``tool_use`` (the ``tools``
+builtin: Qwen-format tool calls run in the worker, then a final answer graded), ``workers`` (one
+environment per trajectory in killable worker processes, each call bounded in time; futures of
+outcomes; timeouts recovered by replay), ``faults`` (a step's outcomes counted, and the bound on
+the fraction that failed). ``host`` and ``records`` are the workers' and the trainer's halves of
 ``workers``. Nothing here imports jax.
 """
 
@@ -26,6 +27,8 @@ from rft_jax.environments.registry import environment_factory
 from rft_jax.environments.registry import make_environment
 from rft_jax.environments.registry import register_environment
 from rft_jax.environments.registry import registered_names
+from rft_jax.environments.tool_use import ToolUse
+from rft_jax.environments.tool_use import tool_schemas
 from rft_jax.environments.workers import EnvironmentWorkers
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "Message",
     "Outcome",
     "StepOutput",
+    "ToolUse",
     "check_fault_fraction",
     "check_messages",
     "check_step_output",
@@ -47,4 +51,5 @@ __all__ = [
     "make_environment",
     "register_environment",
     "registered_names",
+    "tool_schemas",
 ]

@@ -4,8 +4,8 @@ An :class:`EnvironmentSpec` names an environment and holds its config; the datas
 each trajectory its ``extras`` (skyrl-gym's word: ``reward_spec``, ``extra_info``,
 ``max_turns``, ...). A name is one of:
 
-* a registered name without a colon: ``guess_number`` here, and what the project registers
-  later with :func:`register_environment` (a tool-calling environment as ``tools``);
+* a registered name without a colon: ``guess_number`` and ``tools`` (tool calls, then a graded
+  answer: ``tool_use.py``) here, and what is registered with :func:`register_environment`;
 * ``skyrl_gym:<id>``: ``skyrl_gym.make(id, env_config=config, extras=extras)``, skyrl-gym's own
   environments unchanged (``gsm8k``, ``gsm8k_multi_turn``, ...; the ``agents`` extra installs
   it). The config is handed over as an omegaconf ``DictConfig``, which is what skyrl-gym's
@@ -37,6 +37,7 @@ _INSTALL_HINT = "pip install 'rft_jax[agents]'"
 # name -> a factory, or "module:attribute" naming one (imported when first used).
 _REGISTRY: dict[str, Union[Factory, str]] = {
     "guess_number": "rft_jax.environments.guess_number:GuessNumber",
+    "tools": "rft_jax.environments.tool_use:ToolUse",
 }
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Optional, Sequence, Union
 
+from rft_jax.tools.arithmetic import add
 from rft_jax.tools.calculator import calculator
 from rft_jax.tools.calls import ParsedCalls, ToolCall, ToolResult, parse_tool_calls
 from rft_jax.tools.sandbox import SandboxLimits, python_tool
@@ -66,7 +67,7 @@ class ToolBox:
   @classmethod
   def from_names(cls, names: Sequence[str], max_output_chars: int = 4096, *,
                  python_limits: Optional[SandboxLimits] = None, allow_unsandboxed: bool = False) -> "ToolBox":
-    """The tools named: a builtin (``calculator``, ``python``) or ``module.path:function``.
+    """The tools named: a builtin (``calculator``, ``python``, ``add``) or ``module.path:function``.
 
     Args:
       names: tool names as a config lists them.
@@ -82,6 +83,7 @@ class ToolBox:
     builtins = {
         "calculator": lambda: calculator,
         "python": lambda: python_tool(python_limits, allow_unsandboxed=allow_unsandboxed),
+        "add": lambda: add,
     }
     tools = []
     for name in names:
