@@ -30,6 +30,10 @@ class DataConfig:
     epochs: passes over the data (None: forever).
     chat_template: ``auto`` (the tokenizer's chat template when it has one, else plain text),
       ``chat`` (required) or ``none`` (plain text: system prompt, blank line, question).
+    extras_field: a column (dotted path) holding each row's environment arguments, a dict or a
+      JSON object as text, passed to its environment as ``extras`` (multi-turn rollouts,
+      ``rollout.environment``; e.g. skyrl-gym's ``reward_spec``); the row's ``answer`` is added
+      when it has none. None: ``{"answer": ...}`` alone.
   """
 
   train_path: str = ""
@@ -44,6 +48,7 @@ class DataConfig:
   instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
   epochs: Optional[int] = None
   chat_template: str = "auto"
+  extras_field: Optional[str] = None
 
   def __post_init__(self):
     if self.chat_template not in CHAT_TEMPLATE_MODES:

@@ -24,11 +24,13 @@ class DatasetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MathExample:
-  """One problem: the question text, its ground-truth answer and a stable id."""
+  """One problem: the question text, its ground-truth answer and a stable id; ``extras``: its
+  environment's arguments (``data.extras_field``; multi-turn rollouts), or None."""
 
   question: str
   answer: str
   id: str
+  extras: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +190,20 @@ def _field(row: dict[str, Any], dotted: str):
   return value
 
 
+def _extras(path: str, index: int, field: str, value: Any) -> dict:
+  """A row's environment arguments: a dict, or a JSON object as text."""
+  if isinstance(value, str):
+    try:
+      value = json.loads(value)
+    except json.JSONDecodeError as exc:
+      raise DatasetError(f"{path}: row {index}: field '{field}' is not JSON ({exc.msg} at "
+                         f"character {exc.pos}): {value[:80]!r}") from None
+  if not isinstance(value, dict):
+    raise DatasetError(f"{path}: row {index}: field '{field}' must be an object (the environment's "
+                       f"arguments), got {type(value).__name__} {str(value)[:80]!r}")
+  return value
+
+
 def _text(value) -> str | None:
   """A question/answer value as text; chat-style lists keep their user turn."""
   if isinstance(value, list) and value and isinstance(value[-1], dict) and "content" in value[-1]:
@@ -216,6 +232,7 @@ def load_math_dataset(
     answer_field: str | None = None,
     on_bad_row: str = "error",
     field_settings: tuple[str, str] = ("data.question_field", "data.answer_field"),
+    extras_field: str | None = None,
 ) -> tuple[list[MathExample], LoadReport]:
   """Loads ``path`` as :class:`MathExample` rows.
 
@@ -226,6 +243,8 @@ def load_math_dataset(
     on_bad_row: ``error`` (raise on the first missing/empty field) or ``skip``.
     field_settings: what the caller's user sets to choose the question / answer column,
       named in the error for a missing column (``rft-jax sft`` passes its flags).
+    extras_field: a column (dotted path) of each row's environment arguments, a dict or a JSON
+      object as text (``data.extras_field``); a row whose value is neither is bad input.
   """
   if format not in FORMATS:
     raise DatasetError(f"unknown dataset format {format!r}; choose from {sorted(FORMATS)}")
@@ -240,6 +259,9 @@ def load_math_dataset(
     if column.split(".")[0] not in data.column_names:
       raise DatasetError(f"{path}: no column '{column.split('.')[0]}' for the {name} "
                          f"(columns: {data.column_names}); set {setting}")
+  if extras_field and extras_field.split(".")[0] not in data.column_names:
+    raise DatasetError(f"{path}: no column '{extras_field.split('.')[0]}' for the environment's "
+                       f"arguments (columns: {data.column_names}); set data.extras_field")
   report = LoadReport(path=path, rows=len(data))
   examples = []
   try:
@@ -253,7 +275,9 @@ def load_math_dataset(
         report.skipped.append(problem)
         continue
       ident = _field(row, spec.id) if spec.id else None
-      examples.append(MathExample(values["question"], values["answer"], str(ident if ident is not None else index)))
+      extras = _extras(path, index, extras_field, _field(row, extras_field)) if extras_field else None
+      examples.append(MathExample(values["question"], values["answer"],
+                                  str(ident if ident is not None else index), extras))
   except UnicodeDecodeError as exc:  # a string column holding bytes that are not UTF-8
     row_index = len(examples) + len(report.skipped)  # rows are read in order: the next one failed
     raise DatasetError(f"{path}: row {row_index}: not UTF-8 text ({exc.reason})") from exc

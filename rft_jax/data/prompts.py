@@ -9,6 +9,14 @@ from rft_jax.data.config import DataConfig
 from rft_jax.models.tokenizer import prompt_token_ids
 
 
+def prompt_messages(data: DataConfig, question: str) -> list[dict[str, str]]:
+  """A question's first chat messages, as :func:`prompt_ids` renders them: the system prompt if
+  set, then the question with ``data.instruction`` appended (a multi-turn trajectory's start)."""
+  text = f"{question} {data.instruction}".strip() if data.instruction else question
+  system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+  return [*system, {"role": "user", "content": text}]
+
+
 def prompt_ids(tokenizer: Any, data: DataConfig, question: str) -> list[int]:
   """A question's prompt: ``data.instruction`` appended, ``data.system_prompt`` if set, through
   the chat template or as plain text (``data.chat_template``)."""

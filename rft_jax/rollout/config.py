@@ -19,10 +19,8 @@ class RolloutConfig:
       skyrl-gym one (``skyrl_gym:gsm8k_multi_turn``; ``pip install 'rft_jax[agents]'``), or
       ``package.module:ClassName`` of your own (constructed as skyrl-gym's are:
       ``Class(env_config=..., extras=...)``).
-    environment_config: passed to the environment as ``env_config``.
-    extras_field: the dataset column (a dict, or a JSON object as text) passed to each row's
-      environment as ``extras`` (e.g. skyrl-gym's ``reward_spec``); empty: ``{"answer": ...}``
-      from the row's answer column.
+    environment_config: passed to the environment as ``env_config``; each row's ``extras``
+      come from ``data.extras_field``.
     tools: tool functions the model may call (``calculator``, ``python``, or
       ``package.module:function``): their schemas go into the prompt through the chat
       template's ``tools=``, and the ``tools`` environment runs the calls.
@@ -46,7 +44,6 @@ class RolloutConfig:
 
   environment: str = ""
   environment_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-  extras_field: str = ""
   tools: list[str] = dataclasses.field(default_factory=list)
   tools_allow_unsandboxed: bool = False
   max_turns: int = 4
@@ -75,10 +72,18 @@ class RolloutConfig:
                        "[0, 1]")
     if self.decode_chunk < 1:
       raise ValueError(f"rollout.decode_chunk={self.decode_chunk} must be at least 1")
-    if self.tools and not self.environment:
-      raise ValueError("rollout.tools need an environment that runs them: set "
-                       "rollout.environment=tools")
+    if self.tools and self.environment != "tools":
+      raise ValueError(f"rollout.tools={list(self.tools)} are run by the tools environment, not "
+                       f"{self.environment!r}: set rollout.environment=tools")
 
   @property
   def multi_turn(self) -> bool:
     return bool(self.environment)
+
+  def environment_spec_config(self) -> dict[str, Any]:
+    """The environment's ``env_config``: ``environment_config``, and for the ``tools``
+    environment the tools and the sandbox setting of these keys."""
+    config = dict(self.environment_config)
+    if self.environment == "tools" and self.tools:
+      config.update(tools=list(self.tools), allow_unsandboxed=self.tools_allow_unsandboxed)
+    return config

@@ -74,7 +74,7 @@ def run_trajectories(model, tokenizer: Any, problems: Sequence[Problem], params:
   n = params.n
   trajectories = [Trajectory(problem=b, sample=j) for b in range(len(problems)) for j in range(n)]
   budget = params.max_new_tokens if cfg.max_trajectory_tokens is None else cfg.max_trajectory_tokens
-  spec = EnvironmentSpec(cfg.environment, dict(cfg.environment_config))
+  spec = EnvironmentSpec(cfg.environment, cfg.environment_spec_config())
   started = {i: workers.start(i, spec, problems[t.problem].messages, problems[t.problem].extras)
              for i, t in enumerate(trajectories)}
   for i, future in started.items():

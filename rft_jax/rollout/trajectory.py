@@ -120,3 +120,21 @@ def trajectory_rollouts(trajectories: list[Trajectory], n: int, width: int) -> R
       finish_reason=np.asarray(["stop" if t.ending == "done" else "length" for t in trajectories]),
       prompt_index=np.asarray([t.problem for t in trajectories], np.int32),
       completion_mask=mask)
+
+
+def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+  """Per step: model turns per trajectory, tool calls, tool errors and timeouts (the
+  environments' step metadata), trajectories cut by a limit, environment failures, and the
+  share of the trajectories' tokens the environments fed."""
+  def total(key):
+    return float(sum(m.get(key, 0) for t in trajectories for m in t.metadata))
+  tokens = sum(len(t.ids) for t in trajectories)
+  return {
+      "agent_turns_mean": float(np.mean([t.model_turns for t in trajectories])),
+      "agent_tool_calls": total("tool_calls"), "agent_tool_errors": total("tool_errors"),
+      "agent_tool_timeouts": total("tool_timeouts"),
+      "agent_truncated_frac": float(np.mean([t.ending == "truncated" for t in trajectories])),
+      "agent_env_errors": float(sum(t.ending == "error" and t.error_kind != "timeout" for t in trajectories)),
+      "agent_env_timeouts": float(sum(t.error_kind == "timeout" for t in trajectories)),
+      "agent_env_token_frac": float(sum(len(t.mask) - sum(t.mask) for t in trajectories) / max(tokens, 1)),
+  }

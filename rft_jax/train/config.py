@@ -33,6 +33,7 @@ from rft_jax.models.lora import LoraConfig
 from rft_jax.rewards import RewardConfig
 from rft_jax.rl.config import LearnerConfig
 from rft_jax.rl.advantages.critic import CriticConfig
+from rft_jax.rollout.config import RolloutConfig
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.train.config_sources import ConfigError, describe_error, load_yaml, parse_overrides
 from rft_jax.train.eval_config import EvalConfig, EvalSetConfig  # noqa: F401 (imported from here)
@@ -155,7 +156,9 @@ class TrainConfig:
     log_rollouts_every: the completions of step 1 and of every this many steps after it (1, 11,
       21, ... for 10; 0: never) go to ``RUN_DIR/rollouts.jsonl``: prompt, completion, answer,
       reward, advantage, and the completion's mean entropy, mean S_* and entropy-masked token
-      count.
+      count (a multi-turn trajectory's turns too, with their roles and ids).
+    rollout: single-turn completions, or multi-turn trajectories with an environment and its
+      tools (:class:`~rft_jax.rollout.config.RolloutConfig`).
 
   Checks that need files or the device count (paths, row counts, the data-parallel split)
   are :func:`rft_jax.train.preflight.validate_for_training`'s, run before the model loads.
@@ -167,6 +170,7 @@ class TrainConfig:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   sampling: SamplingParams = dataclasses.field(default_factory=rollout_sampling)
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
   learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
   rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -190,6 +194,8 @@ class TrainConfig:
       raise ConfigError(f"data.prompts_per_step must be > 0, got {self.data.prompts_per_step}")
     if self.data.val_size < 0:
       raise ConfigError(f"data.val_size must be >= 0, got {self.data.val_size}")
+    if self.rollout.multi_turn:
+      self._check_multi_turn()
     rollouts = self.data.prompts_per_step * self.sampling.n
     if self.learner.micro_batch_tokens is not None:  # packed micro-batches: any rows per mini-batch
       if rollouts % self.learner.mini_batches:
@@ -222,7 +228,7 @@ class TrainConfig:
       raise ConfigError("learner.routing_replay=true with sampling.record_routing=false: replay needs the "
                         "experts the sampler recorded (set sampling.record_routing=true)")
     if self.learner.max_len is None:
-      self.learner.max_len = self.sampling.max_new_tokens
+      self.learner.max_len = self.rollout.max_trajectory_tokens or self.sampling.max_new_tokens
     updates = {"learner": self.steps * self.learner.mini_batches * self.learner.ppo_epochs,
                "critic": self.steps}  # the run's optimizer updates: the horizon of a decaying schedule
     for section, optim in (("learner", self.learner.optim), ("critic", self.critic.optim)):
@@ -231,6 +237,15 @@ class TrainConfig:
     for name in ("steps", "keep_checkpoints", "max_nonfinite_steps"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+  def _check_multi_turn(self) -> None:
+    """What multi-turn rollouts (``rollout.environment``) do not take yet, refused in one line."""
+    unsupported = {"learner.routing_replay=true (multi-turn rollouts record no routing)":
+                   self.learner.routing_replay,
+                   "sampling.kv_pages (multi-turn rows keep a dense cache)": self.sampling.kv_pages}
+    for what, on in unsupported.items():
+      if on:
+        raise ConfigError(f"rollout.environment={self.rollout.environment!r} with {what}")
 
 
 # Paths a training run cannot start without (``rft-jax plan`` needs only the model's config.json).

@@ -37,6 +37,7 @@ from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cac
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.debug_log import debug_log
 from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
+from rft_jax.train.agent_round import sample_agent_round
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.learning_signal import NoSignalWarning
 from rft_jax.train.metric_names import logged_name
@@ -63,6 +64,8 @@ def sample_round(run: Run, state, prompts: list, seed: int) -> SampledRound:
   """Stage 1, sample and score: rollouts of ``prompts`` with the policy of ``state``, decoded and
   rewarded."""
   cfg = run.config
+  if cfg.rollout.multi_turn:
+    return sample_agent_round(run, state, prompts, seed)
   t0 = time.perf_counter()
   rollouts = generate(run.learner.model(state), [list(p.token_ids) for p in prompts],
                       sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh, keep_on_device=True)
@@ -210,7 +213,10 @@ def train(cfg: TrainConfig, *, resume: bool = True, overwrite: bool = False,
                      for name, on in (("rollouts", cfg.log_rollouts_every),
                                       ("eval_completions", cfg.eval.save_completions and evaluates(run)))
                      if on and main}
-      return _run_steps(run, state, start, checkpointer, log, signals, completions, cache)
+      try:
+        return _run_steps(run, state, start, checkpointer, log, signals, completions, cache)
+      finally:
+        run.close()
 
 
 def _run_steps(run: Run, state, start: int, checkpointer: RunCheckpointer, log, signals,

@@ -21,6 +21,9 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
                 expert load, the share of tokens routed unlike the sampler (names as computed)
 ``critic/``     PPO's value model: value loss, clip fraction, explained variance
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
+``agent/``      multi-turn rollouts: model turns per trajectory, tool calls, tool errors and
+                timeouts, trajectories cut by a limit, environment failures, the share of
+                tokens the environments fed
 ``timing/``     seconds per phase and rollout tokens per second
 ``data/``       the training data's row counts (first step only)
 ==============  =========================================================================
@@ -66,6 +69,10 @@ NAMES = {
     "value_mean": "critic/value_mean", "explained_variance": "critic/explained_variance",
     "critic_grad_norm": "critic/grad_norm", "critic_lr": "critic/lr",
     "critic_nonfinite_skipped": "critic/nonfinite_skipped",
+    # agent/: multi-turn rollouts (rft_jax.rollout.trajectory.agent_metrics)
+    **{f"agent_{k}": f"agent/{k}" for k in (
+        "turns_mean", "tool_calls", "tool_errors", "tool_timeouts", "truncated_frac", "env_errors",
+        "env_timeouts", "env_token_frac")},
     # timing/
     "time_critic": "timing/critic_s", "time_sample": "timing/sample_s", "time_reward": "timing/reward_s", "time_learner": "timing/learner_s",
     "time_eval": "timing/eval_s", "sample_tokens_per_s": "timing/sample_tokens_per_s",

@@ -151,7 +151,8 @@ def check_training_data(cfg: TrainConfig) -> tuple[list[MathExample], LoadReport
   d = cfg.data
   try:
     examples, report = load_math_dataset(d.train_path, d.format, question_field=d.question_field,
-                                         answer_field=d.answer_field, on_bad_row=d.on_bad_row)
+                                         answer_field=d.answer_field, on_bad_row=d.on_bad_row,
+                                         extras_field=d.extras_field)
   except DatasetError as exc:
     raise ConfigError(f"data.train_path: {exc}") from exc
   usable = len(examples)

@@ -16,6 +16,7 @@ from rft_jax.data.config import DataConfig
 from rft_jax.parallel import is_main_process
 from rft_jax.rl.advantages.critic import Critic
 from rft_jax.rl.learner import Learner
+from rft_jax.train.agent_round import AgentParts, agent_parts
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.policy import load_policy
 from rft_jax.train.preflight import Inputs
@@ -37,6 +38,12 @@ class Run:
   stop_ids: tuple[int, ...]
   data_report: dict
   critic: Critic | None = None  # PPO's (learner.advantage: gae); the state is then an ActorCriticState
+  agent: AgentParts | None = None  # multi-turn rollouts' environments and tools (rollout.environment)
+
+  def close(self) -> None:
+    """Stops what the run started besides the model (the environments' worker processes)."""
+    if self.agent is not None:
+      self.agent.close()
 
 
 def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
@@ -65,7 +72,7 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
   run = Run(cfg, mesh, built.learner, tokenizer, stream, validation, inputs.eval_sets, policy.stop_ids,
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
              "train_prompts": len(prompts), "validation_prompts": len(validation),
-             "dropped_prompts": dropped}, built.critic)
+             "dropped_prompts": dropped}, built.critic, agent_parts(cfg, tokenizer))
   return run, built.state
 
 

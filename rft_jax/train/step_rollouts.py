@@ -21,6 +21,7 @@ from rft_jax.parallel import host_array
 from rft_jax.rewards import RewardConfig
 from rft_jax.rewards.score import RewardResult
 from rft_jax.rl.learner import LearnerBatch, learner_batch
+from rft_jax.rollout.trajectory import agent_metrics
 from rft_jax.sampling.rollouts import Rollouts
 from rft_jax.train.errors import RewardError
 
@@ -36,6 +37,7 @@ class SampledRound:
   scored: RewardResult  # [N] rewards and verdicts
   sample_time: float = 0.0
   reward_time: float = 0.0
+  trajectories: list | None = None  # [N] multi-turn rollouts' turns (rft_jax.rollout.Trajectory)
 
   def varied_groups(self, n: int) -> int:
     """How many of its groups of ``n`` completions have rewards that differ."""
@@ -163,6 +165,7 @@ class StepRollouts:
             "reward": float(r.scored.reward[i]), "correct": bool(r.scored.correct[i]),
             "length": int(r.rollouts.completion_lengths[i]),
             "finish_reason": str(r.rollouts.finish_reason[i]),
+            **({} if r.trajectories is None else r.trajectories[i].record()),
             **{k: (int(v[row]) if k == "masked_tokens" else float(v[row])) for k, v in row_stats.items()}})
         row += 1
     return records
@@ -175,7 +178,9 @@ class StepRollouts:
     sample_time = sum(r.sample_time for r in self.rounds)
     tokens = int(sum(r.rollouts.completion_lengths.sum() for r in self.rounds))
     scores = [r.scored for r in self.rounds]
+    trajectories = [t for r in self.rounds for t in (r.trajectories or [])]
     return {
+        **(agent_metrics(trajectories) if trajectories else {}),
         "reward_mean": float(self.rewards.mean()), "reward_std": float(self.rewards.std()),
         "accuracy": float(self.correct.mean()),
         "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),

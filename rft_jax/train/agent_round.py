@@ -1,0 +1,113 @@
+"""A step's sampling round when rollouts are multi-turn (``rollout.environment``): trajectories
+made with the environments (:mod:`rft_jax.rollout`), rewarded by them, checked for faults, and
+handed on as a :class:`~rft_jax.train.step_rollouts.SampledRound` like a single-turn round's."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from rft_jax.data.prompts import prompt_messages
+from rft_jax.environments import (EnvironmentCounts, EnvironmentFaultError, EnvironmentWorkers,
+                                  check_fault_fraction)
+from rft_jax.rewards.score import RewardResult
+from rft_jax.rollout import Problem, Trajectory, run_trajectories, trajectory_rollouts
+from rft_jax.rollout.conversation import TemplateError, check_tool_support
+from rft_jax.tools import ToolBox
+from rft_jax.train.config_sources import ConfigError
+from rft_jax.train.errors import RewardError
+from rft_jax.train.resolve import sampling_params
+from rft_jax.train.step_rollouts import SampledRound
+
+
+@dataclasses.dataclass
+class AgentParts:
+  """What multi-turn rollouts need besides the model: the environments' worker processes and the
+  tools' schemas rendered into the prompts."""
+
+  workers: EnvironmentWorkers
+  tool_schemas: list[dict]
+
+  def close(self) -> None:
+    self.workers.shutdown()
+
+
+def agent_parts(cfg, tokenizer: Any) -> AgentParts | None:
+  """The run's :class:`AgentParts` (None for single-turn rollouts).
+
+  Raises:
+    ConfigError: tools the chat template cannot render, or a tool that cannot be built (the
+      ``python`` tool without its sandbox): one line naming the key.
+  """
+  r = cfg.rollout
+  if not r.multi_turn:
+    return None
+  schemas = []
+  if r.tools:
+    try:
+      schemas = ToolBox.from_names(r.tools, allow_unsandboxed=r.tools_allow_unsandboxed).schemas
+      check_tool_support(tokenizer, schemas)
+    except (TemplateError, ValueError) as exc:
+      raise ConfigError(f"rollout.tools={list(r.tools)}: {exc}") from None
+  return AgentParts(EnvironmentWorkers(r.env_workers, r.env_step_timeout_s), schemas)
+
+
+def sample_agent_round(run, state, prompts: list, seed: int) -> SampledRound:
+  """Trajectories of ``prompts`` (``sampling.n`` each) with the policy of ``state``, their rewards
+  the environments' (``rollout.turn_rewards``).
+
+  Raises:
+    RewardError: more of the round's environment calls failed (raised, timed out, returned
+      something malformed) than ``rollout.env_max_error_fraction``.
+  """
+  cfg = run.config
+  r = cfg.rollout
+  t0 = time.perf_counter()
+  problems = [Problem(prompt_messages(cfg.data, p.example.question), _extras(p.example))
+              for p in prompts]
+  params = sampling_params(cfg, run.stop_ids)
+  trajectories = run_trajectories(run.learner.model(state), run.tokenizer, problems, params, r,
+                                  run.agent.workers, seed=seed, tools=run.agent.tool_schemas,
+                                  mesh=run.mesh)
+  budget = params.max_new_tokens if r.max_trajectory_tokens is None else r.max_trajectory_tokens
+  rollouts = trajectory_rollouts(trajectories, params.n, budget)
+  try:
+    check_fault_fraction(environment_counts(trajectories), r.env_max_error_fraction, r.environment)
+  except EnvironmentFaultError as exc:
+    raise RewardError(f"{exc} (rollout.env_max_error_fraction={r.env_max_error_fraction})") from None
+  texts = [run.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories]
+  return SampledRound(prompts, rollouts, texts, trajectory_rewards(trajectories, r.turn_rewards),
+                      time.perf_counter() - t0, 0.0, trajectories=trajectories)
+
+
+def _extras(example) -> dict:
+  """A row's environment arguments: ``data.extras_field``'s, with the row's answer."""
+  return {"answer": example.answer, **(example.extras or {})}
+
+
+def environment_counts(trajectories: list[Trajectory]) -> EnvironmentCounts:
+  """The round's environment calls by outcome: every trajectory's start and steps, the failed
+  one of a trajectory that failed."""
+  failed = [t.error_kind for t in trajectories if t.ending == "error"]
+  calls = sum(1 + len(t.rewards) for t in trajectories) + len(failed)
+  return EnvironmentCounts(ok=calls - len(failed), error=failed.count("error"),
+                           timeout=failed.count("timeout"), bad_output=failed.count("bad_output"))
+
+
+def trajectory_rewards(trajectories: list[Trajectory], turn_rewards: str) -> RewardResult:
+  """The trajectories' rewards as a :class:`RewardResult`: ``correct`` where the environment ended
+  the trajectory with a positive last reward, ``truncated`` where a limit cut it, ``failed`` (and
+  0) where its environment failed."""
+  reward = np.asarray([t.reward(turn_rewards) for t in trajectories], np.float32)
+  failed = np.asarray([t.ending == "error" for t in trajectories])
+  reward[failed] = 0.0
+  done = np.asarray([t.ending == "done" for t in trajectories])
+  correct = done & np.asarray([bool(t.rewards) and t.rewards[-1] > 0 for t in trajectories])
+  timed_out = np.asarray([t.error_kind == "timeout" for t in trajectories])
+  return RewardResult(reward=reward, correct=correct, formatted=done, unformatted_correct=np.zeros_like(done),
+                      truncated=np.asarray([t.ending == "truncated" for t in trajectories]),
+                      timed_out=timed_out, timeouts=int(timed_out.sum()),
+                      errors=int(failed.sum() - timed_out.sum()), failed=failed if failed.any() else None)
