@@ -87,3 +87,21 @@ def test_the_learner_trains_on_the_model_tokens_only(parts):
     np.testing.assert_array_equal(batch.response_mask[i, p:p + k], t.mask)
     assert batch.attention_mask[i, p:p + k].all()  # the environment's tokens are read
     assert not batch.response_mask[i, p + k:].any()
+
+
+def test_a_skyrl_gym_environment_runs_unchanged(parts):
+  """skyrl-gym 0.4.0's multi-turn GSM8K environment, made by skyrl_gym.make in the workers: its
+  per-turn rewards and its own end of episode (max_turns from the row)."""
+  model, tokenizer, workers = parts
+  cfg = RolloutConfig(environment="skyrl_gym:gsm8k_multi_turn", max_turns=4, decode_chunk=8)
+  extras = {"reward_spec": {"ground_truth": "72"}, "extra_info": {}, "max_turns": 2}
+  problems = [Problem([{"role": "user", "content": "Guess number"}], extras)]
+  params = SamplingParams(n=4, temperature=1.0, max_new_tokens=160, stop_token_ids=(2,))
+  out = run_trajectories(model, tokenizer, problems, params, cfg, workers, seed=5)
+  ended = [t for t in out if t.ending == "done"]
+  assert ended, [t.ending for t in out]
+  for t in ended:  # skyrl-gym ends the episode at its own max_turns=2: two steps, two rewards
+    assert t.model_turns == 2 and len(t.rewards) == 2
+    assert all(r == 0.0 for r in t.rewards)  # random words: never "#### 72"
+    env_turns = [turn for turn in t.turns if turn.role == "environment"]
+    assert len(env_turns) == 1 and "#### ANSWER" in env_turns[0].text
