@@ -42,11 +42,11 @@ PROBLEMS = [Problem([], {"secret": 17, "max_turns": 3}), Problem([], {"secret": 
 PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=120, stop_token_ids=(2,))
 
 
-def trajectories(parts, **overrides):
+def trajectories(parts, params=PARAMS, **overrides):
   model, tokenizer, workers = parts
   cfg = RolloutConfig(environment="guess_number", max_turns=3, decode_chunk=6,
                       **overrides)
-  return run_trajectories(model, tokenizer, PROBLEMS, PARAMS, cfg, workers, seed=3)
+  return run_trajectories(model, tokenizer, PROBLEMS, params, cfg, workers, seed=3)
 
 
 def test_masks_and_the_ids_the_sampler_fed(parts):
@@ -72,9 +72,14 @@ def test_masks_and_the_ids_the_sampler_fed(parts):
 
 
 def test_a_kept_cache_gives_the_trajectories_a_refed_history_gives(parts):
+  """Kept dense cache, history fed again every turn, kept pages (with evictions: 40 pages of 8
+  tokens for 6 trajectories of up to ~200): the same trajectories."""
+  import dataclasses
   kept, again = trajectories(parts), trajectories(parts, keep_cache=False)
-  assert [t.ids for t in kept] == [t.ids for t in again]
-  assert [t.rewards for t in kept] == [t.rewards for t in again]
+  paged = trajectories(parts, dataclasses.replace(PARAMS, kv_pages=40, page_size=8))
+  for other in (again, paged):
+    assert [t.ids for t in kept] == [t.ids for t in other]
+    assert [t.rewards for t in kept] == [t.rewards for t in other]
 
 
 def test_the_learner_trains_on_the_model_tokens_only(parts):

@@ -20,7 +20,8 @@ from hf_fixtures import make_tiny_qwen
 from rft_jax.models.hf import load_hf
 from rft_jax.sampling import SamplingParams, generate
 from rft_jax.sampling.keys import completion_keys, prompt_fingerprints
-from rft_jax.sampling.turns import TurnPool, feed_width
+from rft_jax.sampling.turn_pool import TurnPool
+from rft_jax.sampling.turns import feed_width
 
 PROMPTS = [[3, 5, 7, 9], [4, 4, 2, 8, 1, 6, 6]]
 STOP = 1  # the tiny model's "end of turn" in one-turn tests
@@ -68,12 +69,8 @@ def run(model, params, *, slots, chunk, replies, keep_cache=True, seed=7, budget
         continue
       history[i] += replies[turn]
       logps[i] += [None] * len(replies[turn])
-      if keep_cache:
-        pool.resume(row, replies[turn], left)
-      else:
-        drawn = sum(x is not None for x in logps[i])
-        pool.free(row)
-        pool.start(row, PROMPTS[i // n] + history[i], keys[i], left, drawn=drawn)
+      pool.resume(row, replies[turn], left, again=not keep_cache)
+  run.evictions = pool.evictions
   return history, logps
 
 
@@ -116,3 +113,21 @@ def test_the_learner_reads_the_sampler_log_probabilities(model):
     model_tokens = [t for t, lp in enumerate(logps[i]) if lp is not None]
     got = np.asarray([logp[len(prompt) + t - 1, tokens[t]] for t in model_tokens])
     np.testing.assert_allclose(got, [logps[i][t] for t in model_tokens], atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_pages,page_size", [(64, 8), (9, 8)])
+def test_a_paged_pool_samples_what_the_dense_pool_samples(model, kv_pages, page_size):
+  """Rows' pages kept across turns, given as they grow; with 9 pages of 8 tokens (72 tokens for
+  3 rows of up to ~50) the youngest trajectories are evicted and fed again: the same samples."""
+  import dataclasses
+  params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=STOPS)
+  replies = [[11, 12, 13], [20, 21, 22, 23, 24, 25], [30]]
+  dense, dense_logps = run(model, params, slots=3, chunk=4, replies=replies)
+  paged_params = dataclasses.replace(params, kv_pages=kv_pages, page_size=page_size)
+  paged, paged_logps = run(model, paged_params, slots=3, chunk=4, replies=replies)
+  assert (run.evictions > 0) == (kv_pages < 16), run.evictions
+  assert paged == dense
+  for i in dense:
+    a = [x for x in dense_logps[i] if x is not None]
+    b = [x for x in paged_logps[i] if x is not None]
+    np.testing.assert_allclose(a, b, atol=2e-6)

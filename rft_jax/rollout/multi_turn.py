@@ -41,7 +41,7 @@ from rft_jax.rollout.conversation import prompt_ids, reply_ids
 from rft_jax.rollout.trajectory import Trajectory
 from rft_jax.sampling.keys import completion_keys, prompt_fingerprints
 from rft_jax.sampling.params import SamplingParams
-from rft_jax.sampling.turns import TurnPool
+from rft_jax.sampling.turn_pool import TurnPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ def run_trajectories(model, tokenizer: Any, problems: Sequence[Problem], params:
     for future in [f for f in steps if f.done()]:
       i = steps.pop(future)
       _reply(trajectories[i], i, future.result(), cfg, budget, tokenizer, tools, params, workers,
-             pool, row_of, free, keys)
+             pool, row_of, free)
   return trajectories
 
 
@@ -138,7 +138,7 @@ def _stopped(t: Trajectory, params: SamplingParams) -> bool:
 
 
 def _reply(t: Trajectory, i: int, outcome, cfg: RolloutConfig, budget: int, tokenizer, tools,
-           params: SamplingParams, workers, pool: TurnPool, row_of: dict, free: list, keys) -> None:
+           params: SamplingParams, workers, pool: TurnPool, row_of: dict, free: list) -> None:
   """What the environment answered to trajectory ``i``'s last turn: the trajectory ends, or its
   reply goes to its row."""
   row = row_of[i]
@@ -162,11 +162,7 @@ def _reply(t: Trajectory, i: int, outcome, cfg: RolloutConfig, budget: int, toke
     return
   t.add("environment", reply, "".join(m.get("content", "") for m in out["observations"]),
         messages=list(out["observations"]))
-  if cfg.keep_cache:
-    pool.resume(row, reply, left)
-  else:  # the whole history fed again, the same draws (its key's count goes on)
-    pool.free(row)
-    pool.start(row, t.prompt_ids + t.ids, keys[i], left, drawn=sum(t.mask))
+  pool.resume(row, reply, left, again=not cfg.keep_cache)
 
 
 def _fail(t: Trajectory, outcome) -> None:

@@ -3,15 +3,16 @@ an environment's tokens appended to their own KV cache.
 
 An agent's trajectory alternates the model's turns and an environment's replies (a tool's
 output, a user's feedback). Its environment runs on the host, in Python, for as long as it takes;
-so here the host drives the decoding, chunk by chunk, with three compiled programs on a pool of
-``S`` rows (each a dense cache row of ``W`` slots with its own write index), the state kept on
-the devices between them (:class:`TurnState`):
+so here the host (:class:`~rft_jax.sampling.turn_pool.TurnPool`) drives the decoding, chunk by
+chunk, with two compiled programs on a pool of ``S`` rows (each a dense cache row of ``W`` slots
+with its own write index, or with ``sampling.kv_pages`` pages of a shared pool,
+:mod:`~rft_jax.sampling.turn_pages`), the state kept on the devices between them
+(:class:`TurnState`):
 
-* :func:`reset_rows`: empties rows for new trajectories;
-* :func:`feed`: appends tokens to rows' caches (a prompt for a new trajectory, an environment's
-  reply for a waiting one), all rows of a call at once with :meth:`~rft_jax.models.Qwen.extend`,
-  and sets the token each row's next decode step feeds; the rows' earlier slots are kept as they
-  are (no re-prefill of the history);
+* :func:`feed`: appends tokens to rows' caches (a prompt for a new trajectory, emptying its row
+  first; an environment's reply for a waiting one), the fed rows at once with
+  :meth:`~rft_jax.models.Qwen.extend`, and sets the token each row's next decode step feeds; the
+  rows' earlier slots are kept as they are (no re-prefill of the history);
 * :func:`decode`: up to ``steps`` decode steps of the running rows; a row *pauses* (its turn
   ended) at a stop token or when its token budget runs out, and waits, its cache untouched,
   while the others go on; the host reads the chunk's tokens, hands the ended turns to their
@@ -23,8 +24,8 @@ model's tokens of a trajectory (its ``t``-th draw, over all its turns) takes
 of the seed, the prompt and the sample index), as :func:`rft_jax.sampling.keys.step_uniforms`
 gives a single-turn completion's; so a trajectory's first turn is the completion
 :func:`~rft_jax.sampling.generate` samples for the same seed, and a host that re-feeds the whole
-history every turn (``keep_cache=False`` in :mod:`rft_jax.rollout.multi_turn`) samples the same
-trajectories (log-probabilities to float32 rounding).
+history every turn (``rollout.keep_cache=false``, or a paged row evicted for lack of pages)
+samples the same trajectories (log-probabilities to float32 rounding).
 
 The decode step is the single-turn programs' (:meth:`rft_jax.sampling.decoder.Decoder.step`):
 feature-major on CPU, the fused kernels on one GPU. A paused row still takes part in the weight
@@ -46,11 +47,13 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rft_jax.models.decode import feature_major
+from rft_jax.models.decode.paged_kv import init_paged_cache
 from rft_jax.models.kv_cache import KVCache
 from rft_jax.parallel import Rules
 from rft_jax.sampling.decoder import (CPU_COMPILER_OPTIONS, Decoder, backend_for, decode_state,
                                       on_cpu)
 from rft_jax.sampling.loop import SLOT_MULTIPLE, constrain
+from rft_jax.sampling.turn_pages import extend_paged
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.strategies import Strategy
 
@@ -85,6 +88,8 @@ class TurnSpec:
   Attributes:
     slots: ``S``, rows in the pool.
     width: ``W``, cache slots per row (a trajectory's prompt and all its later tokens).
+    kv_pages, page_size, paged_attention: a paged cache of ``kv_pages`` pages shared by the rows
+      (``SamplingParams``; None: one dense row of ``W`` slots each).
     stop_token_ids: tokens that end a turn.
     strategy: greedy or not, truncation or not.
     cache_dtype: the KV cache's dtype (None: the model's compute dtype).
@@ -95,12 +100,23 @@ class TurnSpec:
   stop_token_ids: tuple[int, ...]
   strategy: Strategy
   cache_dtype: jnp.dtype | None = None
+  kv_pages: int | None = None
+  page_size: int = 16
+  paged_attention: str = "auto"
 
   @classmethod
   def of(cls, params: SamplingParams, slots: int, width: int, cache_dtype=None) -> TurnSpec:
-    return cls(slots=slots, width=-(-width // SLOT_MULTIPLE) * SLOT_MULTIPLE,
+    page = params.page_size if params.kv_pages is not None else SLOT_MULTIPLE
+    return cls(slots=slots, width=-(-width // page) * page,
                stop_token_ids=params.stop_token_ids, strategy=Strategy.of(params),
-               cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype))
+               cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+               kv_pages=params.kv_pages, page_size=params.page_size,
+               paged_attention=params.paged_attention)
+
+  @property
+  def pages_per_row(self) -> int:
+    """A paged pool's block-table width: the pages of ``width`` tokens."""
+    return self.width // self.page_size
 
   def is_stop(self, tokens: Int[Array, "..."]) -> Bool[Array, "..."]:
     if not self.stop_token_ids:
@@ -140,13 +156,17 @@ decode_model = jax.jit(_decode_model, static_argnames=("graphdef", "mesh"))
 def empty_state(config, spec: TurnSpec) -> TurnState:
   """A pool of free rows for a model of ``config`` (zeros, on the default device)."""
   s, dtype = spec.slots, spec.cache_dtype or config.dtype
+  zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  distinct buffers: the state is donated
+  if spec.kv_pages is not None:
+    cache = init_paged_cache(config, spec.kv_pages, spec.page_size, s, spec.pages_per_row, dtype)
+    return TurnState(cache=cache, last_tokens=zeros(), keys=jnp.zeros((s, 2), jnp.uint32),
+                     counts=zeros(), budget=zeros(), running=jnp.zeros((s,), bool))
   k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
   cache = KVCache(
       k=tuple(jnp.zeros((s, k, h, spec.width), dtype) for _ in range(layers)),
       v=tuple(jnp.zeros((s, k, spec.width, h), dtype) for _ in range(layers)),
       slot_mask=jnp.zeros((s, spec.width), bool), positions=jnp.zeros((s,), jnp.int32),
       index=jnp.zeros((s,), jnp.int32))
-  zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  distinct buffers: the state is donated
   return TurnState(cache=cache, last_tokens=zeros(), keys=jnp.zeros((s, 2), jnp.uint32),
                    counts=zeros(), budget=zeros(), running=jnp.zeros((s,), bool))
 
@@ -154,16 +174,34 @@ def empty_state(config, spec: TurnSpec) -> TurnState:
 def _feed(graphdef: nnx.GraphDef, model_state: DecodeModel, state: TurnState,
           rows: Int[Array, "F"], restart: Bool[Array, "F"], keys: UInt32[Array, "F 2"],
           counts: Int[Array, "F"], ids: Int[Array, "F T"], lengths: Int[Array, "F"],
-          last: Int[Array, "F"], budget: Int[Array, "F"], *, spec: TurnSpec) -> TurnState:
+          last: Int[Array, "F"], budget: Int[Array, "F"], pages: Int[Array, "S W"] | None = None,
+          *, spec: TurnSpec) -> TurnState:
   """Feeds ``F`` rows: row ``rows[f]`` (emptied first where ``restart[f]``: a new trajectory,
   its ``keys[f]`` and ``counts[f]`` set) gets ``ids[f, :lengths[f]]`` appended to its cache, then
   runs with ``last[f]`` as its next decode input and ``budget[f]`` draws left. Only these rows are
   computed (gathered, extended, written back); ``rows`` may repeat a row with the same inputs
-  (padding ``F`` to a bucket), which writes the same values twice."""
+  (padding ``F`` to a bucket), which writes the same values twice. ``pages``: a paged pool's block
+  tables, as the host allocated them (each row's pages for its tokens after the feed)."""
   model = nnx.merge(graphdef, model_state.state)
+  if spec.kv_pages is None:
+    cache = _extend_dense(model, state.cache, rows, restart, ids, lengths, spec.width)
+  else:
+    cache = extend_paged(model, state.cache.replace(pages=pages), rows, restart, ids, lengths)
+  put = lambda whole, part: whole.at[rows].set(part)  # noqa: E731
+  return TurnState(
+      cache=cache,
+      last_tokens=put(state.last_tokens, last),
+      keys=put(state.keys, jnp.where(restart[:, None], keys, state.keys[rows])),
+      counts=put(state.counts, jnp.where(restart, counts, state.counts[rows])),
+      budget=put(state.budget, budget),
+      running=put(state.running, jnp.ones_like(restart)))
+
+
+def _extend_dense(model, cache: KVCache, rows, restart, ids, lengths, width: int) -> KVCache:
+  """``cache`` with rows ``rows`` (emptied first where ``restart``) extended by ``ids[f,
+  :lengths[f]]``: the rows gathered, extended and written back."""
   t = ids.shape[1]
-  take = lambda x: x[rows]  # noqa: E731
-  sub = jax.tree.map(take, state.cache)
+  sub = jax.tree.map(lambda x: x[rows], cache)
   index = jnp.where(restart, 0, sub.index)
   # T spare slots while extending: the write of T slots from a row's index never clamps (its
   # real tokens end within W; the padding's slots are cut off again below).
@@ -173,17 +211,9 @@ def _feed(graphdef: nnx.GraphDef, model_state: DecodeModel, state: TurnState,
                 positions=jnp.where(restart, 0, sub.positions), index=index)
   mask = (jnp.arange(t)[None] < lengths[:, None]).astype(jnp.int32)
   _, sub = model.extend(ids, mask, sub)
-  w = spec.width
-  sub = KVCache(k=tuple(k[..., :w] for k in sub.k), v=tuple(v[:, :, :w] for v in sub.v),
-                slot_mask=sub.slot_mask[:, :w], positions=sub.positions, index=index + lengths)
-  put = lambda whole, part: whole.at[rows].set(part)  # noqa: E731
-  return TurnState(
-      cache=jax.tree.map(put, state.cache, sub),
-      last_tokens=put(state.last_tokens, last),
-      keys=put(state.keys, jnp.where(restart[:, None], keys, state.keys[rows])),
-      counts=put(state.counts, jnp.where(restart, counts, state.counts[rows])),
-      budget=put(state.budget, budget),
-      running=put(state.running, jnp.ones_like(restart)))
+  sub = KVCache(k=tuple(k[..., :width] for k in sub.k), v=tuple(v[:, :, :width] for v in sub.v),
+                slot_mask=sub.slot_mask[:, :width], positions=sub.positions, index=index + lengths)
+  return jax.tree.map(lambda whole, part: whole.at[rows].set(part), cache, sub)
 
 
 def _keep_paused(before: KVCache, after: KVCache, running: Bool[Array, "S"]) -> KVCache:
@@ -205,22 +235,32 @@ class Chunk(flax.struct.PyTreeNode):
 
 
 def _decode(graphdef: nnx.GraphDef, model_state: DecodeModel, state: TurnState,
-            temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""], *,
+            temperature: Float[Array, ""], top_k: Int[Array, ""], top_p: Float[Array, ""],
+            active: Bool[Array, "S"], pages: Int[Array, "S W"] | None = None, *,
             steps: int, spec: TurnSpec, mesh: Mesh | None, rules: Rules
             ) -> tuple[TurnState, Chunk]:
-  """Up to ``steps`` decode steps of the running rows (see the module docstring)."""
+  """Up to ``steps`` decode steps of the running rows that are ``active`` (see the module
+  docstring; the host pauses a paged row it takes the pages of); ``pages``: a paged pool's block
+  tables, each running row's pages for its next ``steps`` tokens allocated."""
   config = nnx.merge(graphdef, model_state.state).config
   decoder = Decoder(graphdef, model_state.state, backend_for(config, spec, mesh, spec.slots),
                     mesh=mesh)  # the weights are decode_state's already: no copy
   decoder.decode_weights(model_state.weights)
-  axes = state.cache.logical_axes()
+  paged = spec.kv_pages is not None
+  state = state.replace(running=state.running & active)
+  if paged:
+    state = state.replace(cache=state.cache.replace(pages=pages))
+  axes = None if paged else state.cache.logical_axes()
   s = spec.slots
   keys = jax.random.wrap_key_data(state.keys)
 
   def body(carry):
     i, st, chunk = carry
-    (logits, cache, _), vocab_axis = decoder.step(st.last_tokens, st.cache, st.running)
-    cache = constrain(_keep_paused(st.cache, cache, st.running), axes, mesh, rules)
+    if paged:  # the rows not running write nothing, their lengths kept
+      (logits, cache, _), vocab_axis = decoder.paged_step(st.last_tokens, st.cache, st.running)
+    else:
+      (logits, cache, _), vocab_axis = decoder.step(st.last_tokens, st.cache, st.running)
+      cache = constrain(_keep_paused(st.cache, cache, st.running), axes, mesh, rules)
     u = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t), (), jnp.float32))(
         keys, st.counts)
     tokens, logp = spec.strategy(logits, u, temperature, top_k, top_p, vocab_axis=vocab_axis)
@@ -250,104 +290,3 @@ decode_cpu = jax.jit(_decode, static_argnames=_DECODE_STATIC, donate_argnames=("
 def decode_for(mesh: Mesh | None):
   """The compiled :func:`decode` for the devices of ``mesh``: :data:`decode_cpu` on CPU."""
   return decode_cpu if on_cpu(mesh) else decode
-
-
-class TurnPool:
-  """The host's handle on a pool of ``S`` rows: queue feeds, run decode chunks, read the turns.
-
-  ::
-
-    pool = TurnPool(model, params, slots=64, width=4096)
-    pool.start(row, prompt_ids, key, budget)    # a new trajectory in a free row
-    turns = pool.decode(32)                      # {row: (tokens, logprobs, ended)} of the chunk
-    pool.resume(row, reply_ids, budget)          # an environment's reply, then the model again
-
-  Feeds queue on the host and go to the devices in one :func:`feed` call before the next chunk.
-  """
-
-  def __init__(self, model, params: SamplingParams, *, slots: int, width: int,
-               mesh: Mesh | None = None, rules: Rules = (), cache_dtype=None):
-    self.graphdef, state = nnx.split(model)
-    self.config = model.config
-    self.spec = TurnSpec.of(params, slots, width, cache_dtype)
-    self.params, self.mesh, self.rules = params, mesh, rules
-    self.model_state = decode_model(self.graphdef, state, mesh=mesh)
-    self.state = empty_state(self.config, self.spec)
-    self._feeds: dict[int, tuple[list[int], object, int, int]] = {}  # tokens, key, budget, drawn
-    self._last: dict[int, int] = {}  # each paused row's last drawn token, not yet in its cache
-    self.running: set[int] = set()
-
-  @property
-  def width(self) -> int:
-    return self.spec.width
-
-  def start(self, row: int, prompt: list[int], key_data, budget: int, drawn: int = 0) -> None:
-    """Row ``row`` starts a trajectory: ``prompt`` (at least one token) goes into its emptied
-    cache, ``key_data`` (``[2]`` uint32) is its key, ``budget`` the tokens it may draw.
-    ``drawn``: the trajectory's draws so far, when its history is fed again (the next draw's
-    random number is its ``drawn``-th)."""
-    self._queue(row, list(prompt), key_data, budget, drawn)
-
-  def resume(self, row: int, tokens: list[int], budget: int) -> None:
-    """Paused row ``row`` goes on: its turn's last token and ``tokens`` (an environment's reply,
-    at least one) appended to its cache, then the model draws again, ``budget`` tokens at most."""
-    if row not in self._last:
-      raise ValueError(f"TurnPool: row {row} has no ended turn to resume")
-    self._queue(row, [self._last.pop(row)] + list(tokens), None, budget, 0)
-
-  @property
-  def queued(self) -> bool:
-    """Feeds wait for the next :meth:`decode`."""
-    return bool(self._feeds)
-
-  def _queue(self, row: int, tokens: list[int], key_data, budget: int, drawn: int) -> None:
-    if not tokens:
-      raise ValueError(f"TurnPool: row {row} fed no tokens")
-    if row in self.running or row in self._feeds or (key_data is not None and row in self._last):
-      raise ValueError(f"TurnPool: row {row} is not paused or free")
-    self._feeds[row] = (tokens, key_data, budget, drawn)
-
-  def decode(self, steps: int) -> dict[int, tuple[list[int], list[float], bool]]:
-    """Sends the queued feeds, then up to ``steps`` decode steps; returns, for every row that
-    ran, its new tokens, their log-probabilities and whether its turn ended (the row paused)."""
-    self._send_feeds()
-    if not self.running:
-      return {}
-    program = decode_for(self.mesh)
-    self.state, chunk = program(self.graphdef, self.model_state, self.state,
-                                jnp.float32(self.params.temperature or 1.0),
-                                jnp.int32(self.params.top_k), jnp.float32(self.params.top_p),
-                                steps=steps, spec=self.spec, mesh=self.mesh, rules=self.rules)
-    tokens, logprobs, drawn, running = jax.device_get(
-        (chunk.tokens, chunk.logprobs, chunk.drawn, self.state.running))
-    out = {}
-    for row in sorted(self.running):
-      k = int(drawn[row])
-      out[row] = (tokens[row, :k].tolist(), logprobs[row, :k].tolist(), not bool(running[row]))
-      if not running[row]:  # a row that ran draws at least once
-        self.running.discard(row)
-        self._last[row] = int(tokens[row, k - 1])
-    return out
-
-  def free(self, row: int) -> None:
-    """Row ``row``'s trajectory is over: the row may start another."""
-    self._last.pop(row, None)
-
-  def _send_feeds(self) -> None:
-    if not self._feeds:
-      return
-    fed = list(self._feeds.items())
-    f = min(1 << (len(fed) - 1).bit_length(), self.spec.slots)  # a power of two, or all rows
-    fed += [fed[0]] * (f - len(fed))  # the first row again: the same values written twice
-    ids = np.zeros((f, feed_width(max(max(len(x[0]) - 1 for _, x in fed), 1))), np.int32)
-    rows, lengths, last, budget, counts = (np.zeros((f,), np.int32) for _ in range(5))
-    restart, keys = np.zeros((f,), bool), np.zeros((f, 2), np.uint32)
-    for i, (row, (tokens, key_data, left, drawn)) in enumerate(fed):
-      ids[i, :len(tokens) - 1] = tokens[:-1]  # the last one is the next decode step's input
-      rows[i], lengths[i], last[i], budget[i] = row, len(tokens) - 1, tokens[-1], left
-      if key_data is not None:  # a new trajectory, or a history fed again
-        restart[i], keys[i], counts[i] = True, np.asarray(key_data, np.uint32), drawn
-    self.state = feed(self.graphdef, self.model_state, self.state, rows, restart, keys, counts,
-                      ids, lengths, last, budget, spec=self.spec)
-    self.running.update(self._feeds)
-    self._feeds.clear()

@@ -241,8 +241,7 @@ class TrainConfig:
   def _check_multi_turn(self) -> None:
     """What multi-turn rollouts (``rollout.environment``) do not take yet, refused in one line."""
     unsupported = {"learner.routing_replay=true (multi-turn rollouts record no routing)":
-                   self.learner.routing_replay,
-                   "sampling.kv_pages (multi-turn rows keep a dense cache)": self.sampling.kv_pages}
+                   self.learner.routing_replay}
     for what, on in unsupported.items():
       if on:
         raise ConfigError(f"rollout.environment={self.rollout.environment!r} with {what}")
