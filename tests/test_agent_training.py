@@ -50,6 +50,7 @@ def test_the_number_guessing_game_trains_two_steps(setup, tmp_path):
     assert 1 <= m["agent/turns_mean"] <= 3
     assert 0 < m["agent/env_token_frac"] < 1
     assert m["agent/env_errors"] == 0 and m["agent/env_timeouts"] == 0
+    assert 0 < m["agent/entropy_turn_1"] < 5 and 0 < m["agent/entropy_role_answer"] < 5
   records = read_jsonl(run_dir / "rollouts.jsonl")
   assert len(records) == 2 * 2 * 4  # two steps of 2 prompts x 4 trajectories
   for r in records:

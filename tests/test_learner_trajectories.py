@@ -101,6 +101,8 @@ def test_row_statistics_are_means_over_the_model_tokens(model):
   for name, values in (("entropy_mean", stats.entropy), ("s_star_mean", stats.s_star)):
     want = np.sum(np.where(mask, values, 0), 1) / mask.sum(1)
     np.testing.assert_allclose(rows[name], want, atol=2e-5)
+  aligned = rows["token_entropy"][:, PROMPT:]  # [B, L], aligned with input_ids
+  np.testing.assert_allclose(aligned, np.where(mask, stats.entropy, 0.0), atol=2e-5)
   with_env = np.sum(np.asarray(stats.entropy), 1) / COMPLETION
   assert not np.allclose(rows["entropy_mean"][::2], with_env[::2], atol=1e-4)
 

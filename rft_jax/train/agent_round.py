@@ -16,6 +16,7 @@ from rft_jax.environments import (EnvironmentCounts, EnvironmentFaultError, Envi
 from rft_jax.rewards.score import RewardResult
 from rft_jax.rollout import Problem, Trajectory, run_trajectories, trajectory_rollouts
 from rft_jax.rollout.conversation import TemplateError, check_tool_support
+from rft_jax.rollout.token_roles import entropy_by_turn_and_role, tool_call_ids
 from rft_jax.tools import ToolBox
 from rft_jax.train.config_sources import ConfigError
 from rft_jax.train.errors import RewardError
@@ -25,14 +26,24 @@ from rft_jax.train.step_rollouts import SampledRound
 
 @dataclasses.dataclass
 class AgentParts:
-  """What multi-turn rollouts need besides the model: the environments' worker processes and the
-  tools' schemas rendered into the prompts."""
+  """What multi-turn rollouts need besides the model: the environments' worker processes, the
+  tools' schemas rendered into the prompts, and the ids of a tool call's markers."""
 
   workers: EnvironmentWorkers
   tool_schemas: list[dict]
+  call_ids: tuple[int | None, int | None] = (None, None)
 
   def close(self) -> None:
     self.workers.shutdown()
+
+  def entropy_metrics(self, rollouts, token_entropy: np.ndarray, max_turns: int) -> dict[str, float]:
+    """The step's policy entropy by turn and by token role
+    (:func:`~rft_jax.rollout.token_roles.entropy_by_turn_and_role`), from the learner's
+    ``token_entropy`` of the step's batch (rows: the chosen groups' trajectories, in order)."""
+    trajectories = [t for g in rollouts.chosen for t in g.round.trajectories[g.rows]]
+    width = rollouts.chosen[0].round.rollouts.completion_ids.shape[1]
+    first = np.full(len(trajectories), token_entropy.shape[1] - width)
+    return entropy_by_turn_and_role(trajectories, token_entropy, first, self.call_ids, max_turns)
 
 
 def agent_parts(cfg, tokenizer: Any) -> AgentParts | None:
@@ -52,7 +63,8 @@ def agent_parts(cfg, tokenizer: Any) -> AgentParts | None:
       check_tool_support(tokenizer, schemas)
     except (TemplateError, ValueError) as exc:
       raise ConfigError(f"rollout.tools={list(r.tools)}: {exc}") from None
-  return AgentParts(EnvironmentWorkers(r.env_workers, r.env_step_timeout_s), schemas)
+  return AgentParts(EnvironmentWorkers(r.env_workers, r.env_step_timeout_s), schemas,
+                    tool_call_ids(tokenizer))
 
 
 def sample_agent_round(run, state, prompts: list, seed: int) -> SampledRound:

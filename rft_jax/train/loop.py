@@ -127,10 +127,14 @@ def train_step(run: Run, state, index: int, rollouts_log=None) -> tuple[Any, dic
   every = run.config.log_rollouts_every
   policy, critic_state = (state.policy, state.critic) if run.critic is not None else (state, None)
   t0 = time.perf_counter()  # 4. learn
-  if every and index % every == 0:  # on every process: the per-row values are collectives
+  logged = bool(every and index % every == 0)
+  if logged or run.agent is not None:  # on every process: the per-row values are collectives
     policy, metrics, row_stats = run.learner.step(policy, batch, rows=True)
+    token_entropy = row_stats.pop("token_entropy")
+    if run.agent is not None:
+      metrics.update(run.agent.entropy_metrics(rollouts, token_entropy, run.config.rollout.max_turns))
     row_stats["advantage"] = row_advantages(batch)
-    if rollouts_log is not None:
+    if logged and rollouts_log is not None:
       rollouts_log.write(rollouts.records(run.tokenizer, index + 1, row_stats))
   else:
     policy, metrics = run.learner.step(policy, batch)

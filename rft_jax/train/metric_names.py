@@ -23,7 +23,10 @@ written before the scheme read back under the new names (:func:`rft_jax.train.me
 ``eval/``       ``eval/<set>/avg@k``, ``pass@k``, ``entropy``
 ``agent/``      multi-turn rollouts: model turns per trajectory, tool calls, tool errors and
                 timeouts, trajectories cut by a limit, environment failures, the share of
-                tokens the environments fed
+                tokens the environments fed, and the policy's entropy by turn
+                (``entropy_turn_k``) and by token role (``entropy_role_decision``: a tool
+                call's opening token, ``_arguments``, ``_answer``: a final turn's,
+                ``_reasoning``: the rest)
 ``timing/``     seconds per phase and rollout tokens per second
 ``data/``       the training data's row counts (first step only)
 ==============  =========================================================================
@@ -69,10 +72,6 @@ NAMES = {
     "value_mean": "critic/value_mean", "explained_variance": "critic/explained_variance",
     "critic_grad_norm": "critic/grad_norm", "critic_lr": "critic/lr",
     "critic_nonfinite_skipped": "critic/nonfinite_skipped",
-    # agent/: multi-turn rollouts (rft_jax.rollout.trajectory.agent_metrics)
-    **{f"agent_{k}": f"agent/{k}" for k in (
-        "turns_mean", "tool_calls", "tool_errors", "tool_timeouts", "truncated_frac", "env_errors",
-        "env_timeouts", "env_token_frac")},
     # timing/
     "time_critic": "timing/critic_s", "time_sample": "timing/sample_s", "time_reward": "timing/reward_s", "time_learner": "timing/learner_s",
     "time_eval": "timing/eval_s", "sample_tokens_per_s": "timing/sample_tokens_per_s",
@@ -90,8 +89,9 @@ def logged_name(name: str) -> str:
   match = _EVAL.match(name)
   if match:
     return f"eval/{match[1]}/{match[2]}"
-  if name.startswith("data_"):
-    return "data/" + name[len("data_"):]
+  for prefix in ("data", "agent"):  # agent/: multi-turn rollouts' (rft_jax.rollout.trajectory)
+    if name.startswith(prefix + "_"):
+      return f"{prefix}/{name[len(prefix) + 1:]}"
   return "other/" + name
 
 

@@ -327,7 +327,8 @@ class Learner(ForwardPasses, ModelTrainer):
   def step(self, state: TrainState, batch: LearnerBatch, *, rows: bool = False):
     """One train step: ``(state, metrics)``, and with ``rows`` a third element, ``[B]`` numpy arrays
     per completion (``entropy_mean``, ``s_star_mean`` over its tokens, ``masked_tokens``: how many
-    the entropy mask removed). ``state`` is donated: use the returned state afterwards.
+    the entropy mask removed) and ``token_entropy``, ``[B, L]``: the entropy of the prediction of
+    each completion token, aligned with ``batch.input_ids`` (0 off the response). ``state`` is donated: use the returned state afterwards.
 
     A step whose loss, gradient norm or updated parameters are not finite returns ``state``'s
     values unchanged, step counter included, with ``metrics["nonfinite_skipped"] == 1.0``.
@@ -357,7 +358,11 @@ class Learner(ForwardPasses, ModelTrainer):
       metrics["entropy_change_measured"] = float(host_array(after)) - metrics["entropy"]
       metrics["entropy_change_first_order"] = float(host_array(first_order))
     if rows:
-      return new_state, metrics, {k: np.asarray(host_array(v)) for k, v in row_stats.items()}
+      row_stats = {k: np.asarray(host_array(v)) for k, v in row_stats.items()}
+      entropy = row_stats["token_entropy"]  # [B, L - 1 - p]: position t predicts column t + 1 + p
+      row_stats["token_entropy"] = np.zeros(batch.input_ids.shape, np.float32)
+      row_stats["token_entropy"][:, batch.input_ids.shape[1] - entropy.shape[1]:] = entropy
+      return new_state, metrics, row_stats
     return new_state, metrics
 
   def mean_entropy(self, state: TrainState, batch: LearnerBatch) -> float:

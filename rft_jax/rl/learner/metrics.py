@@ -87,11 +87,13 @@ def step_metrics(*, config, entropy_method: TokenMethod, stats, advantages, resp
 
 
 def row_stats(stats, valid, masked) -> dict[str, jax.Array]:
-  """``[B]`` per-completion statistics of the pre-update pass (what ``rollouts.jsonl`` logs)."""
+  """``[B]`` per-completion statistics of the pre-update pass (what ``rollouts.jsonl`` logs), and
+  ``token_entropy``, ``[B, T]`` each valid token's entropy (0 elsewhere)."""
   tokens = jnp.maximum(jnp.sum(valid, axis=1), 1)
   return {"entropy_mean": jnp.sum(jnp.where(valid, stats.entropy, 0.0), axis=1) / tokens,
           "s_star_mean": jnp.sum(jnp.where(valid, stats.s_star, 0.0), axis=1) / tokens,
-          "masked_tokens": jnp.sum(masked, axis=1)}
+          "masked_tokens": jnp.sum(masked, axis=1),
+          "token_entropy": jnp.where(valid, stats.entropy, 0.0)}
 
 
 def entropy_change(mean_entropy: Callable, trainable: Callable, with_trainable: Callable, before, after):
