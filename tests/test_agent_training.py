@@ -71,3 +71,51 @@ def test_bad_multi_turn_settings_are_refused_naming_the_key(setup, tmp_path, ove
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
     load_config(None, agent_overrides(setup, tmp_path / "bad", override))
   assert "\n" not in str(info.value)
+
+
+def test_unusable_settings_are_refused_before_the_first_step(setup, tmp_path):
+  """An environment that cannot be found, a chat template that is not prefix-preserving (Qwen3's
+  drops past reasoning: this one drops past assistant turns' text), plain-text prompts, the
+  python tool's sandbox limit over the step timeout: one line naming the key, before any step."""
+  from transformers import AutoTokenizer
+
+  from rft_jax.train.agent_round import agent_parts
+  root, model_dir, _ = setup
+  tokenizer = AutoTokenizer.from_pretrained(model_dir)
+  forgetful = tmp_path / "forgetful.jinja"
+  forgetful.write_text(
+      "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+      "{% if m['role'] == 'assistant' and not loop.last %}{% else %}{{ m['content'] }}{% endif %}"
+      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+  cases = [(("rollout.environment=no_such_env",), "rollout.environment"),
+           ((f"rollout.chat_template={forgetful}",), "rollout.chat_template"),
+           (("rollout.environment=tools", "rollout.tools=[python]",
+             "rollout.env_step_timeout_s=2"), "rollout.env_step_timeout_s")]
+  for extra, key in cases:
+    cfg = load_config(None, agent_overrides(setup, tmp_path / "run", *extra))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+      agent_parts(cfg, AutoTokenizer.from_pretrained(model_dir), (2,))
+    assert "\n" not in str(info.value), info.value
+  with pytest.raises(ConfigError, match="data.chat_template=none"):
+    load_config(None, agent_overrides(setup, tmp_path / "run", "data.chat_template=none"))
+  assert tokenizer.chat_template  # the template of the files, untouched by the checks
+
+
+def test_failed_starts_are_counted_once_and_the_round_still_forms():
+  """A trajectory whose environment failed to start has no prompt and no tokens: one failed
+  call; its group still forms its rows (the others' prompt)."""
+  from rft_jax.rollout.trajectory import Trajectory, trajectory_rollouts
+  from rft_jax.train.agent_round import environment_counts, trajectory_rewards
+
+  ok = Trajectory(0, 0, prompt_ids=[5, 6])
+  ok.add("assistant", [7, 2], "x", [-1.0, -2.0])
+  ok.rewards, ok.ending = [1.0], "done"
+  at_step = Trajectory(0, 1, prompt_ids=[5, 6], ending="error", error="ValueError: x",
+                       error_kind="error")
+  at_start = Trajectory(0, 2, ending="error", error="TimeoutError", error_kind="timeout")
+  counts = environment_counts([ok, at_step, at_start])
+  assert (counts.ok, counts.error, counts.timeout) == (3, 1, 1)  # starts 2 ok, ok's step
+  rollouts = trajectory_rollouts([ok, at_step, at_start], 3, 4)
+  assert rollouts.prompt_lengths.tolist() == [2] and rollouts.completion_lengths.tolist() == [2, 0, 0]
+  scored = trajectory_rewards([ok, at_step, at_start], "sum")
+  assert scored.correct.tolist() == [True, False, False] and scored.failures() == 2

@@ -40,6 +40,10 @@ class RolloutConfig:
       environments, replies fed).
     keep_cache: a trajectory's KV cache is kept across its turns and each reply appended;
       False feeds the whole history again every turn (the same samples, slower).
+    chat_template: a Jinja chat template file that replaces the tokenizer's for the run: one
+      that renders earlier turns the same once a reply is appended (prefix-preserving; Qwen3's
+      own is not, it drops past reasoning: TRL ships training variants,
+      ``trl/chat_templates/qwen3_training.jinja``); empty: the tokenizer's.
   """
 
   environment: str = ""
@@ -54,6 +58,7 @@ class RolloutConfig:
   env_max_error_fraction: float = 0.25
   decode_chunk: int = 32
   keep_cache: bool = True
+  chat_template: str = ""
 
   def __post_init__(self):
     if self.max_turns < 1:

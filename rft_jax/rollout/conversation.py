@@ -65,9 +65,20 @@ def reply_ids(tokenizer: Any, messages: Sequence[Message], stop_token: int,
     raise TemplateError(
         "the chat template renders earlier turns differently once a reply is appended (it is not "
         "prefix-preserving), so a multi-turn conversation cannot be tokenized incrementally; set "
-        "data.chat_template to a prefix-preserving variant")
+        "rollout.chat_template to a prefix-preserving variant (e.g. TRL's qwen3_training.jinja)")
   text = turn_end_text(tokenizer, stop_token, tools) + after[len(before):]
   return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_template(tokenizer: Any, stop_token: int, tools: Sequence[dict] = ()) -> None:
+  """Raises :class:`TemplateError` where the chat template cannot tokenize a multi-turn
+  conversation incrementally (a user's and, with ``tools``, a tool's reply, after an assistant
+  turn ended by ``stop_token``): before a run, not at its first reply."""
+  replies = [[{"role": "user", "content": "x"}]]
+  if tools:
+    replies.append([{"role": "tool", "content": "x"}])
+  for messages in replies:
+    reply_ids(tokenizer, messages, stop_token, tools)
 
 
 def check_tool_support(tokenizer: Any, tools: Sequence[dict]) -> None:

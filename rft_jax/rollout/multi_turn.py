@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from rft_jax.environments import EnvironmentSpec, EnvironmentWorkers
 from rft_jax.rollout.config import RolloutConfig
 from rft_jax.rollout.conversation import prompt_ids, reply_ids
-from rft_jax.rollout.trajectory import Trajectory
+from rft_jax.rollout.trajectory import Trajectories, Trajectory
 from rft_jax.sampling.keys import completion_keys, prompt_fingerprints
 from rft_jax.sampling.params import SamplingParams
 from rft_jax.sampling.turn_pool import TurnPool
@@ -54,7 +54,7 @@ class Problem:
 
 def run_trajectories(model, tokenizer: Any, problems: Sequence[Problem], params: SamplingParams,
                      cfg: RolloutConfig, workers: EnvironmentWorkers, *, seed: int,
-                     tools: Sequence[dict] = (), mesh: Mesh | None = None) -> list[Trajectory]:
+                     tools: Sequence[dict] = (), mesh: Mesh | None = None) -> Trajectories:
   """``params.n`` trajectories of every problem (problem order, then sample order).
 
   Args:
@@ -72,7 +72,8 @@ def run_trajectories(model, tokenizer: Any, problems: Sequence[Problem], params:
     mesh: where the model lives.
   """
   n = params.n
-  trajectories = [Trajectory(problem=b, sample=j) for b in range(len(problems)) for j in range(n)]
+  trajectories = Trajectories(Trajectory(problem=b, sample=j) for b in range(len(problems))
+                              for j in range(n))
   budget = params.max_new_tokens if cfg.max_trajectory_tokens is None else cfg.max_trajectory_tokens
   spec = EnvironmentSpec(cfg.environment, cfg.environment_spec_config())
   started = {i: workers.start(i, spec, problems[t.problem].messages, problems[t.problem].extras)
@@ -115,6 +116,7 @@ def run_trajectories(model, tokenizer: Any, problems: Sequence[Problem], params:
       i = steps.pop(future)
       _reply(trajectories[i], i, future.result(), cfg, budget, tokenizer, tools, params, workers,
              pool, row_of, free)
+  trajectories.evictions = pool.evictions
   return trajectories
 
 

@@ -71,6 +71,16 @@ class Trajectory:
     self.turns.append(Turn(role, start, len(self.ids), text, messages))
 
   @property
+  def correct(self) -> bool:
+    """The environment's verdict on an ended trajectory: its last step's ``metadata['correct']``
+    where it gives one, else a last reward of at least 1 (a shaping reward below 1 for a wrong
+    answer in form, as skyrl-gym's GSM8K gives, is not a correct answer)."""
+    if not self.rewards:
+      return False
+    verdict = (self.metadata[-1] if self.metadata else {}).get("correct")
+    return bool(verdict) if verdict is not None else self.rewards[-1] >= 1.0
+
+  @property
   def model_turns(self) -> int:
     return sum(t.role == "assistant" for t in self.turns)
 
@@ -89,16 +99,25 @@ class Trajectory:
             **({"error": self.error} if self.error else {})}
 
 
-def trajectory_rollouts(trajectories: list[Trajectory], n: int, width: int) -> Rollouts:
+class Trajectories(list):
+  """A round's trajectories (a list), and ``evictions``: the times a paged pool took a row's
+  pages back and fed its history again."""
+
+  evictions: int = 0
+
+
+def trajectory_rollouts(trajectories: list[Trajectory], n: int, width: int, evictions: int = 0
+                        ) -> Rollouts:
   """The learner's :class:`~rft_jax.sampling.Rollouts` of ``trajectories`` (``n`` per problem, in
   problem order), completions ``width`` columns wide, with their ``completion_mask``.
 
   A trajectory cut by a limit, or failed, finishes with ``'length'``, one the environment ended
   with ``'stop'``."""
   problems = len(trajectories) // n
-  prompts = [trajectories[b * n].prompt_ids for b in range(problems)]
+  prompts = [next((t.prompt_ids for t in trajectories[b * n:(b + 1) * n] if t.prompt_ids), [0])
+             for b in range(problems)]  # a failed start has no prompt (and no tokens after it)
   for t in trajectories:
-    if t.prompt_ids != prompts[t.problem]:
+    if t.prompt_ids and t.prompt_ids != prompts[t.problem]:
       raise ValueError(f"trajectory_rollouts: sample {t.sample} of problem {t.problem} starts "
                        "from another prompt than sample 0 (an environment whose init is random?)")
   p = max(len(x) for x in prompts)
@@ -119,7 +138,7 @@ def trajectory_rollouts(trajectories: list[Trajectory], n: int, width: int) -> R
       logprobs=logprobs,
       finish_reason=np.asarray(["stop" if t.ending == "done" else "length" for t in trajectories]),
       prompt_index=np.asarray([t.problem for t in trajectories], np.int32),
-      completion_mask=mask)
+      completion_mask=mask, evictions=evictions)
 
 
 def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -129,7 +148,10 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
   def total(key):
     return float(sum(m.get(key, 0) for t in trajectories for m in t.metadata))
   tokens = sum(len(t.ids) for t in trajectories)
+  statuses = sorted({k for t in trajectories for m in t.metadata for k in m
+                     if k.startswith("tool_status/")})
   return {
+      **{f"agent_{k}": total(k) for k in statuses},
       "agent_turns_mean": float(np.mean([t.model_turns for t in trajectories])),
       "agent_tool_calls": total("tool_calls"), "agent_tool_errors": total("tool_errors"),
       "agent_tool_timeouts": total("tool_timeouts"),

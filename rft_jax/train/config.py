@@ -241,7 +241,9 @@ class TrainConfig:
   def _check_multi_turn(self) -> None:
     """What multi-turn rollouts (``rollout.environment``) do not take yet, refused in one line."""
     unsupported = {"learner.routing_replay=true (multi-turn rollouts record no routing)":
-                   self.learner.routing_replay}
+                   self.learner.routing_replay,
+                   "data.chat_template=none (a conversation is rendered by the chat template)":
+                   self.data.chat_template == "none"}
     for what, on in unsupported.items():
       if on:
         raise ConfigError(f"rollout.environment={self.rollout.environment!r} with {what}")

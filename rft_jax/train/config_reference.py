@@ -92,7 +92,7 @@ ALLOWED: dict[tuple[type, str], Allowed] = {
 # Keys whose class docstring has no ``Attributes:`` entry for them.
 MEANINGS: dict[tuple[type, str], str] = {
     (TrainConfig, "max_refills"): "extra sampling rounds of a step with `dynamic_sampling` (0: none).",
-    (LearnerConfig, "max_len"): "Dr.GRPO's constant length for `seq-mean-token-sum-norm` (None: `sampling.max_new_tokens`).",
+    (LearnerConfig, "max_len"): "Dr.GRPO's constant length for `seq-mean-token-sum-norm` (None: `rollout.max_trajectory_tokens` when set, else `sampling.max_new_tokens`).",
     (RewardConfig, "function_weights"): "one weight per `rewards.functions` entry (empty: all 1).",
     (EvalSetConfig, "name"): "the set's name in its metrics (`eval/<name>/avg@k`); not `val`.",
     (EvalSetConfig, "path"): "local file or `save_to_disk` directory of the set.",

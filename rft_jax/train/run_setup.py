@@ -72,7 +72,7 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
   run = Run(cfg, mesh, built.learner, tokenizer, stream, validation, inputs.eval_sets, policy.stop_ids,
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
              "train_prompts": len(prompts), "validation_prompts": len(validation),
-             "dropped_prompts": dropped}, built.critic, agent_parts(cfg, tokenizer))
+             "dropped_prompts": dropped}, built.critic, agent_parts(cfg, tokenizer, policy.stop_ids))
   return run, built.state
 
 

@@ -181,6 +181,8 @@ class StepRollouts:
     trajectories = [t for r in self.rounds for t in (r.trajectories or [])]
     return {
         **(agent_metrics(trajectories) if trajectories else {}),
+        **({"agent_evictions": float(sum(r.rollouts.evictions for r in self.rounds))}
+           if trajectories else {}),
         "reward_mean": float(self.rewards.mean()), "reward_std": float(self.rewards.std()),
         "accuracy": float(self.correct.mean()),
         "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
