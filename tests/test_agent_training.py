@@ -12,6 +12,7 @@ import pytest
 from agent_fixtures import make_agent_tokenizer
 from hf_fixtures import make_tiny_qwen
 from loop_fixtures import overrides
+from rft_jax import cli
 from rft_jax.train.config import load_config
 from rft_jax.train.config_sources import ConfigError
 from rft_jax.train.loop import train
@@ -59,6 +60,15 @@ def test_the_number_guessing_game_trains_two_steps(setup, tmp_path):
     assert r["ending"] in ("done", "truncated")
     assert sum(len(t["ids"]) for t in r["turns"]) == r["length"]
   assert any(len(r["turns"]) > 1 for r in records)
+  # the attribution page of the run: its trajectories, the environment's tokens greyed
+  page = tmp_path / "attribution.html"
+  root, _, data = setup
+  assert cli.main(["attribute", "--model", str(run_dir), "--data", str(data), "--problems", "2",
+                   "--k", "2", "--out", str(page)]) == 0
+  text = page.read_text()
+  env_spans = text.count('<span class="env"')
+  model_spans = text.count('title="p=')  # the model's tokens: S_* and the forecast on hover
+  assert env_spans >= 2 and model_spans > env_spans
 
 
 @pytest.mark.parametrize("override,key", [

@@ -12,6 +12,10 @@ and shows :math:`p_k`, :math:`H`, :math:`S_*`, :math:`\mathbb{E}_p[S]` on hover.
 forecasts by token class over every token (GRPO's loss) and over the tokens the mask keeps: which
 classes carry the entropy decrease, and what the mask removes of it.
 
+A run of multi-turn trajectories (``rollout.environment``) is attributed on its trajectories,
+sampled with its environment: the environment's tokens are shown greyed, with no forecast (the
+learner reads them but does not train on them), and S_* and the forecast are the model's tokens'.
+
 ``rft-jax attribute --model RUN_OR_HF_DIR --data FILE [--out attribution.html]``.
 """
 
@@ -66,23 +70,30 @@ class Completion:
   expected_s: np.ndarray
   forecast: np.ndarray
   masked: np.ndarray
+  environment: np.ndarray | None = None  # [T] bool: an environment's token (multi-turn)
 
 
 def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k: int, temperature: float,
               max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, lr: float,
               mask: EntropyMaskConfig, seed: int = 0, token_class: TokenClass = character_class,
-              mesh=None) -> list[Completion]:
+              mesh=None, trajectories: Callable | None = None) -> list[Completion]:
   """Samples ``k`` completions of each problem with ``model`` and attributes their tokens (see the
   module docstring); ``mask`` is the entropy mask marked (``kind=none``: nothing masked). ``mesh``:
   the one ``model`` is laid out on (None: one device); the rollouts' rows go over its ``data`` axis
-  and the forward's inputs are replicated on it."""
-  prompts = [prompt_fn(p.question) for p in problems]
-  rollouts = generate(model, prompts, SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                                                     stop_token_ids=stop_ids), seed=seed, mesh=mesh)
-  texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
+  and the forward's inputs are replicated on it. ``trajectories``: a run's multi-turn sampler,
+  ``(problems, params, seed) -> (rollouts, texts, scored)`` (rewards its environment's), used
+  instead of one completion per sample."""
+  params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
+                          stop_token_ids=stop_ids)
+  if trajectories is not None:
+    rollouts, _, scored = trajectories(problems, params, seed)
+  else:
+    rollouts = generate(model, [prompt_fn(p.question) for p in problems], params, seed=seed, mesh=mesh)
+    texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
+    scored = score_batch(texts, [problems[i].answer for i in rollouts.prompt_index],
+                         list(rollouts.finish_reason), [int(x) for x in rollouts.completion_lengths],
+                         rewards)
   examples = [problems[i] for i in rollouts.prompt_index]
-  scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
-                       [int(x) for x in rollouts.completion_lengths], rewards)
   advantages = np.asarray(compute_advantages(jnp.asarray(scored.reward, jnp.float32), k))
   batch = learner_batch(rollouts)
   place = (jnp.asarray if mesh is None
@@ -99,7 +110,7 @@ def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k
   stats, keep = [np.asarray(x) for x in stats], np.asarray(keep)
   start = batch.input_ids.shape[1] - rollouts.completion_ids.shape[1] - 1  # position predicting the first
   out = []
-  for row, (example, text) in enumerate(zip(examples, texts)):
+  for row, example in enumerate(examples):
     n = int(rollouts.completion_lengths[row])
     columns = slice(start, start + n)
     pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in rollouts.completion_ids[row, :n]]
@@ -109,7 +120,9 @@ def attribute(model, tokenizer, problems: Sequence[MathExample], *, prompt_fn, k
         problem=example, tokens=pieces, advantage=float(advantages[row]), reward=float(scored.reward[row]),
         classes=[token_class(example, full, int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])],
         p=np.exp(stats[0][row, columns]), entropy=stats[1][row, columns], s_star=stats[2][row, columns],
-        expected_s=stats[3][row, columns], forecast=forecast[row, columns], masked=~keep[row, columns]))
+        expected_s=stats[3][row, columns], forecast=forecast[row, columns], masked=~keep[row, columns],
+        environment=(None if rollouts.completion_mask is None
+                     else rollouts.completion_mask[row, :n] == 0)))
   return out
 
 
@@ -118,7 +131,10 @@ def class_table(completions: Sequence[Completion]) -> list[dict]:
   mask keeps; sorted by the GRPO sum (most entropy-lowering first)."""
   rows = defaultdict(lambda: {"tokens": 0, "masked": 0, "grpo": 0.0, "kept": 0.0})
   for c in completions:
-    for cls, f, m in zip(c.classes, c.forecast, c.masked):
+    environment = c.environment if c.environment is not None else np.zeros(len(c.classes), bool)
+    for cls, f, m, env in zip(c.classes, c.forecast, c.masked, environment):
+      if env:  # an environment's token: not the policy's
+        continue
       r = rows[cls]
       r["tokens"] += 1
       r["masked"] += int(m)
@@ -163,6 +179,9 @@ def class_table_html(completions: Sequence[Completion], mask_name: str | None) -
 
 
 def _span(c: Completion, t: int, scale: float) -> str:
+  if c.environment is not None and c.environment[t]:
+    return (f'<span class="env" title="the environment\'s token (read, not trained on)">'
+            f'{html.escape(c.tokens[t])}</span>')
   f = float(c.forecast[t]) / scale
   colour = f"rgba(200,30,30,{-f:.3f})" if f < 0 else f"rgba(30,80,220,{f:.3f})"
   tip = (f"p={c.p[t]:.4f} H={c.entropy[t]:.4f} S*={c.s_star[t]:.3e} E_p[S]={c.expected_s[t]:.3e} "
@@ -175,12 +194,14 @@ PAGE = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>Token attribution of the entropy change</title>
 <style>body{{font-family:sans-serif;max-width:70em;margin:auto}} .row{{font-family:monospace;white-space:pre-wrap}}
 .meta{{color:#666;font-family:sans-serif;font-size:80%}} .masked{{outline:2px solid #000}}
+.env{{color:#888;background:#eee;font-style:italic}}
 table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px}}</style></head><body>
 <h1>Token attribution of the entropy change (Theorem 2)</h1>
 <p>Each completion token is coloured by its forecast entropy change under one GRPO step on its own
 logits, -&alpha; (S<sub>*</sub> - E<sub>p</sub>[S]) with &alpha; = lr &times; A: red lowers the entropy, blue
 raises it (shade: size, scaled per section). {masked}
-Hover a token for p, H, S<sub>*</sub>, E<sub>p</sub>[S].</p>
+Hover a token for p, H, S<sub>*</sub>, E<sub>p</sub>[S]. In a multi-turn trajectory the environment's
+replies are grey and italic: the learner reads them but does not train on them.</p>
 {body}
 </body></html>
 """

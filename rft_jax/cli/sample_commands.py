@@ -36,10 +36,10 @@ def sampling_inputs(args: argparse.Namespace):
   cfg = policy.config
   max_new_tokens = (cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens) if cfg else 1024
   problems, _ = load_math_dataset(args.data, args.format or (policy.data.format if cfg else "jsonl"),
-                                  on_bad_row="skip")
+                                  on_bad_row="skip", extras_field=cfg.data.extras_field if cfg else None)
   sampling = dict(max_new_tokens=args.max_new_tokens or max_new_tokens, stop_ids=policy.stop_ids,
                   rewards=policy.rewards([p.question for p in problems]), prompt_fn=policy.prompt_ids,
-                  config=cfg, mesh=mesh_of(policy.model))
+                  config=cfg, mesh=mesh_of(policy.model), data=policy.data)
   return policy.model, policy.tokenizer, problems, sampling
 
 
@@ -92,7 +92,7 @@ def sample_problems(args: argparse.Namespace, completions: bool = False):
   from rft_jax.train.evaluate import evaluate
 
   model, tokenizer, problems, sampling = sampling_inputs(args)
-  sampling.pop("config")
+  sampling.pop("config"), sampling.pop("data")
   result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature, seed=args.seed,
                     completions=completions, **sampling)
   return problems, result
@@ -102,6 +102,7 @@ def attribute_command(args: argparse.Namespace) -> int:
   import dataclasses
 
   from rft_jax.analysis.attribution import attribute, attribution_html, character_class
+  from rft_jax.train.agent_round import agent_parts, sample_trajectories
   from rft_jax.rewards.user_functions import load_function
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.rl.token_methods import configured_class
@@ -120,15 +121,26 @@ def attribute_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
       raise ConfigError(f"--mask {args.mask!r}: {exc}") from None
   model, tokenizer, problems, sampling = sampling_inputs(args)
-  cfg = sampling.pop("config")
+  cfg, data = sampling.pop("config"), sampling.pop("data")
   lr = args.lr if args.lr is not None else (cfg.learner.optim.lr if cfg else 1e-6)
   # The mask marked: --mask's, else the run's own; none for an HF directory or a run without one.
   mask = chosen or (cfg.learner.entropy_mask if cfg else EntropyMaskConfig(kind="none"))
   if mask.target_entropy is not None:  # the page marks a fixed cut
     mask = dataclasses.replace(mask, target_entropy=None)
   method = configured_class(mask, removes_tokens=True)
-  completions = attribute(model, tokenizer, problems[:args.problems], k=args.k, temperature=args.temperature,
-                          seed=args.seed, lr=lr, mask=mask, token_class=classes, **sampling)
+  agent = agent_parts(cfg, tokenizer, sampling["stop_ids"]) if cfg else None
+  try:
+    trajectories = None
+    if agent is not None:  # a multi-turn run: its trajectories, with its environment
+      def trajectories(problems, params, seed):
+        return sample_trajectories(cfg, agent, model, tokenizer, problems, params, seed,
+                                   sampling["mesh"], data)[:3]
+    completions = attribute(model, tokenizer, problems[:args.problems], k=args.k,
+                            temperature=args.temperature, seed=args.seed, lr=lr, mask=mask,
+                            token_class=classes, trajectories=trajectories, **sampling)
+  finally:
+    if agent is not None:
+      agent.close()
   name = method.title if method.chooses_tokens else None
   with open(args.out, "w") as f:
     f.write(attribution_html([(f"{args.model}: {args.problems} problems x {args.k} samples", completions)], name))

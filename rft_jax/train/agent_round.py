@@ -99,15 +99,23 @@ def sample_agent_round(run, state, prompts: list, seed: int) -> SampledRound:
     RewardError: more of the round's environment calls failed (raised, timed out, returned
       something malformed) than ``rollout.env_max_error_fraction``.
   """
-  cfg = run.config
-  r = cfg.rollout
   t0 = time.perf_counter()
-  problems = [Problem(prompt_messages(cfg.data, p.example.question), _extras(p.example))
-              for p in prompts]
-  params = sampling_params(cfg, run.stop_ids)
-  trajectories = run_trajectories(run.learner.model(state), run.tokenizer, problems, params, r,
-                                  run.agent.workers, seed=seed, tools=run.agent.tool_schemas,
-                                  mesh=run.mesh)
+  rollouts, texts, scored, trajectories = sample_trajectories(
+      run.config, run.agent, run.learner.model(state), run.tokenizer, [p.example for p in prompts],
+      sampling_params(run.config, run.stop_ids), seed, run.mesh)
+  return SampledRound(prompts, rollouts, texts, scored, time.perf_counter() - t0, 0.0,
+                      trajectories=trajectories)
+
+
+def sample_trajectories(cfg, agent: AgentParts, model, tokenizer, examples: list, params, seed: int,
+                        mesh=None, data=None):
+  """``params.n`` trajectories of each of ``examples`` (dataset rows: question, answer, extras)
+  with ``model``: ``(rollouts, texts, scored, trajectories)``, the fault fraction checked.
+  ``data``: the prompts' :class:`~rft_jax.data.config.DataConfig` (default ``cfg.data``)."""
+  r = cfg.rollout
+  problems = [Problem(prompt_messages(data or cfg.data, e.question), _extras(e)) for e in examples]
+  trajectories = run_trajectories(model, tokenizer, problems, params, r, agent.workers, seed=seed,
+                                  tools=agent.tool_schemas, mesh=mesh)
   budget = params.max_new_tokens if r.max_trajectory_tokens is None else r.max_trajectory_tokens
   _log_first_failures(trajectories, r.environment)
   try:
@@ -116,9 +124,8 @@ def sample_agent_round(run, state, prompts: list, seed: int) -> SampledRound:
     raise RewardError(f"{exc} (rollout.env_max_error_fraction={r.env_max_error_fraction}); the "
                       "first failure of each kind is logged above") from None
   rollouts = trajectory_rollouts(trajectories, params.n, budget, trajectories.evictions)
-  texts = [run.tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories]
-  return SampledRound(prompts, rollouts, texts, trajectory_rewards(trajectories, r.turn_rewards),
-                      time.perf_counter() - t0, 0.0, trajectories=trajectories)
+  texts = [tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories]
+  return rollouts, texts, trajectory_rewards(trajectories, r.turn_rewards), trajectories
 
 
 def _extras(example) -> dict:
