@@ -41,12 +41,20 @@ def agent_overrides(setup, run_dir, *extra):
                    "log_rollouts_every=1", *extra)
 
 
-def test_the_number_guessing_game_trains_two_steps(setup, tmp_path):
+def test_the_number_guessing_game_trains_two_steps(setup, tmp_path, monkeypatch):
+  import rft_jax.train.evaluate
+
+  def single_turn(*args, **kwargs):
+    raise AssertionError("a multi-turn run was evaluated on single completions")
+  monkeypatch.setattr(rft_jax.train.evaluate, "generate", single_turn)
   run_dir = tmp_path / "run"
-  out = train(load_config(None, agent_overrides(setup, run_dir)))
+  out = train(load_config(None, agent_overrides(setup, run_dir, "eval.every=2",
+                                                   "eval.save_completions=true")))
   assert out["steps_done"] == 2
   metrics = read_metrics(str(run_dir))
   assert [m["step"] for m in metrics] == [1, 2]
+  assert 0 <= metrics[1]["eval/val/avg@2"] <= 1  # the validation problems' trajectories
+  assert len(read_jsonl(run_dir / "eval_completions.jsonl")) == 2 * 2
   for m in metrics:
     assert 1 <= m["agent/turns_mean"] <= 3
     assert 0 < m["agent/env_token_frac"] < 1
@@ -69,6 +77,8 @@ def test_the_number_guessing_game_trains_two_steps(setup, tmp_path):
   env_spans = text.count('<span class="env"')
   model_spans = text.count('title="p=')  # the model's tokens: S_* and the forecast on hover
   assert env_spans >= 2 and model_spans > env_spans
+  # rft-jax eval of the run: trajectories too (the environment's verdicts)
+  assert cli.main(["eval", "--model", str(run_dir), "--data", str(data), "--k", "2"]) == 0
 
 
 @pytest.mark.parametrize("override,key", [

@@ -91,10 +91,18 @@ def sample_problems(args: argparse.Namespace, completions: bool = False):
   """:func:`sampling_inputs`, then ``k`` answers to each question."""
   from rft_jax.train.evaluate import evaluate
 
+  from rft_jax.train.agent_round import agent_parts
+
   model, tokenizer, problems, sampling = sampling_inputs(args)
-  sampling.pop("config"), sampling.pop("data")
-  result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature, seed=args.seed,
-                    completions=completions, **sampling)
+  cfg, data = sampling.pop("config"), sampling.pop("data")
+  agent = agent_parts(cfg, tokenizer, sampling["stop_ids"]) if cfg else None
+  try:  # a multi-turn run's answers are trajectories, with its environment
+    result = evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature, seed=args.seed,
+                      completions=completions, trajectories=None if agent is None else agent.sampler(
+                          cfg, model, tokenizer, sampling["mesh"], data), **sampling)
+  finally:
+    if agent is not None:
+      agent.close()
   return problems, result
 
 
@@ -102,7 +110,7 @@ def attribute_command(args: argparse.Namespace) -> int:
   import dataclasses
 
   from rft_jax.analysis.attribution import attribute, attribution_html, character_class
-  from rft_jax.train.agent_round import agent_parts, sample_trajectories
+  from rft_jax.train.agent_round import agent_parts
   from rft_jax.rewards.user_functions import load_function
   from rft_jax.rl.config import EntropyMaskConfig
   from rft_jax.rl.token_methods import configured_class
@@ -130,11 +138,7 @@ def attribute_command(args: argparse.Namespace) -> int:
   method = configured_class(mask, removes_tokens=True)
   agent = agent_parts(cfg, tokenizer, sampling["stop_ids"]) if cfg else None
   try:
-    trajectories = None
-    if agent is not None:  # a multi-turn run: its trajectories, with its environment
-      def trajectories(problems, params, seed):
-        return sample_trajectories(cfg, agent, model, tokenizer, problems, params, seed,
-                                   sampling["mesh"], data)[:3]
+    trajectories = None if agent is None else agent.sampler(cfg, model, tokenizer, sampling["mesh"], data)
     completions = attribute(model, tokenizer, problems[:args.problems], k=args.k,
                             temperature=args.temperature, seed=args.seed, lr=lr, mask=mask,
                             token_class=classes, trajectories=trajectories, **sampling)

@@ -38,6 +38,13 @@ class AgentParts:
   def close(self) -> None:
     self.workers.shutdown()
 
+  def sampler(self, cfg, model, tokenizer, mesh=None, data=None):
+    """``(examples, params, seed) -> (rollouts, texts, scored)``: trajectories of ``model`` with
+    this run's environment (:func:`sample_trajectories`), for an evaluation or a page."""
+    def sample(examples, params, seed):
+      return sample_trajectories(cfg, self, model, tokenizer, examples, params, seed, mesh, data)[:3]
+    return sample
+
   def entropy_metrics(self, rollouts, token_entropy: np.ndarray, max_turns: int) -> dict[str, float]:
     """The step's policy entropy by turn and by token role
     (:func:`~rft_jax.rollout.token_roles.entropy_by_turn_and_role`), from the learner's

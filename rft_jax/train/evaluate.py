@@ -33,14 +33,17 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
              max_new_tokens: int, stop_ids: tuple[int, ...], rewards: RewardConfig, prompt_fn,
              seed: int = 0, mesh=None, max_prompt_len: int = 4096, batch_prompts: int = 64,
              entropy_temperature: float | None = None, entropy_rows: int = 16,
-             max_rollouts_per_call: int | None = None, completions: bool = False) -> dict[str, Any]:
+             max_rollouts_per_call: int | None = None, completions: bool = False,
+             trajectories=None) -> dict[str, Any]:
   """Samples ``k`` answers per problem; returns Avg@k, Pass@k, the correctness matrix and, with
   ``entropy_temperature``, the mean entropy per answer token (``entropy_rows`` answers per
   forward pass). ``max_rollouts_per_call``: as ``SamplingParams`` (a run passes its
   ``sampling.max_rollouts_per_call``, so evaluation fits where training rollouts do). With
   ``completions``, ``result["completions"]`` lists every answer with its score (one dict each:
   problem index, question, reference answer, sample, completion, reward, correct, length,
-  finish reason)."""
+  finish reason). ``trajectories``: a multi-turn run's sampler, ``(problems, params, seed) ->
+  (rollouts, texts, scored)`` with its environment (its verdicts are ``correct``), used instead of
+  one answer per sample; the entropy is then its model tokens'."""
   prompts, too_long = tokenize_prompts(problems, prompt_fn, max_prompt_len)
   params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens,
                           stop_token_ids=stop_ids, record_routing=False,  # nothing reads it here
@@ -49,12 +52,15 @@ def evaluate(model, tokenizer, problems: Sequence[MathExample], *, k: int, tempe
   correct, lengths, entropy_sum, entropy_count, records = [], [], 0.0, 0.0, []
   for start in range(0, len(prompts), batch_prompts):
     chunk = prompts[start:start + batch_prompts]
-    rollouts = generate(model, [list(p.token_ids) for p in chunk], params, seed=seed + start, mesh=mesh)
-    texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
-    examples = [chunk[i].example for i in rollouts.prompt_index]
-    scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
-                         [int(x) for x in rollouts.completion_lengths], rewards,
-                         rows=example_rows(examples))
+    examples = [chunk[i // k].example for i in range(len(chunk) * k)]
+    if trajectories is not None:
+      rollouts, texts, scored = trajectories([p.example for p in chunk], params, seed + start)
+    else:
+      rollouts = generate(model, [list(p.token_ids) for p in chunk], params, seed=seed + start, mesh=mesh)
+      texts = tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
+      scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
+                           [int(x) for x in rollouts.completion_lengths], rewards,
+                           rows=example_rows(examples))
     correct.append(np.asarray(scored.correct, bool).reshape(len(chunk), k))
     if completions:
       records += [{"problem": start + int(p), "question": examples[i].question, "answer": examples[i].answer,
@@ -122,7 +128,9 @@ def evaluate_problems(run, state, completions: list | None = None) -> dict[str, 
                       prompt_fn=lambda q: prompt_ids(run.tokenizer, cfg.data, q), seed=cfg.seed, mesh=run.mesh,
                       entropy_temperature=run.learner.config.sampling_temperature,
                       max_rollouts_per_call=cfg.sampling.max_rollouts_per_call,
-                      completions=completions is not None)
+                      completions=completions is not None,
+                      trajectories=None if run.agent is None else run.agent.sampler(
+                          cfg, model, run.tokenizer, run.mesh))
     if completions is not None:
       completions += [{"set": name, **r} for r in result["completions"]]
     metrics[f"eval_{name}_avg@{k}"] = result["avg"]
