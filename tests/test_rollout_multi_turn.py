@@ -110,3 +110,18 @@ def test_a_skyrl_gym_environment_runs_unchanged(parts):
     assert all(r == 0.0 for r in t.rewards)  # random words: never "#### 72"
     env_turns = [turn for turn in t.turns if turn.role == "environment"]
     assert len(env_turns) == 1 and "#### ANSWER" in env_turns[0].text
+
+
+def test_the_rollout_engine_gives_back_the_sampler_log_probabilities(parts):
+  """RolloutEngine.logprobs (the interface's log-probs of given tokens under its weights): the
+  sampler's on the model's tokens of a multi-turn batch, 0 on the environment's."""
+  from rft_jax.train.rollout_engine import SingleTurnEngine
+
+  model, _, _ = parts
+  out = trajectories(parts)
+  rollouts = trajectory_rollouts(out, PARAMS.n, PARAMS.max_new_tokens)
+  engine = SingleTurnEngine(None, None)
+  engine.update_weights(model)
+  logp = engine.logprobs(rollouts)
+  np.testing.assert_allclose(logp, rollouts.logprobs, atol=1e-5)
+  assert (logp[rollouts.completion_mask == 0] == 0).all()

@@ -1,11 +1,12 @@
-"""A step's sampling round when rollouts are multi-turn (``rollout.environment``): trajectories
-made with the environments (:mod:`rft_jax.rollout`), rewarded by them, checked for faults, and
-handed on as a :class:`~rft_jax.train.step_rollouts.SampledRound` like a single-turn round's."""
+"""Multi-turn rollouts in a run (``rollout.environment``): what they need besides the model
+(:class:`AgentParts`, checked before the first step), trajectories made with the environments
+(:mod:`rft_jax.rollout`), rewarded by them and checked for faults (:func:`sample_trajectories`:
+the training round's, through :class:`~rft_jax.train.rollout_engine.MultiTurnEngine`, the
+evaluation's and the attribution page's)."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,6 @@ from rft_jax.tools import SandboxLimits, ToolBox
 from rft_jax.train.config_sources import ConfigError
 from rft_jax.train.errors import RewardError
 from rft_jax.train.status import logger
-from rft_jax.train.resolve import sampling_params
-from rft_jax.train.step_rollouts import SampledRound
 
 
 @dataclasses.dataclass
@@ -98,27 +97,15 @@ def agent_parts(cfg, tokenizer: Any, stop_ids) -> AgentParts | None:
                     tool_call_ids(tokenizer))
 
 
-def sample_agent_round(run, state, prompts: list, seed: int) -> SampledRound:
-  """Trajectories of ``prompts`` (``sampling.n`` each) with the policy of ``state``, their rewards
-  the environments' (``rollout.turn_rewards``).
-
-  Raises:
-    RewardError: more of the round's environment calls failed (raised, timed out, returned
-      something malformed) than ``rollout.env_max_error_fraction``.
-  """
-  t0 = time.perf_counter()
-  rollouts, texts, scored, trajectories = sample_trajectories(
-      run.config, run.agent, run.learner.model(state), run.tokenizer, [p.example for p in prompts],
-      sampling_params(run.config, run.stop_ids), seed, run.mesh)
-  return SampledRound(prompts, rollouts, texts, scored, time.perf_counter() - t0, 0.0,
-                      trajectories=trajectories)
-
-
 def sample_trajectories(cfg, agent: AgentParts, model, tokenizer, examples: list, params, seed: int,
                         mesh=None, data=None):
   """``params.n`` trajectories of each of ``examples`` (dataset rows: question, answer, extras)
   with ``model``: ``(rollouts, texts, scored, trajectories)``, the fault fraction checked.
-  ``data``: the prompts' :class:`~rft_jax.data.config.DataConfig` (default ``cfg.data``)."""
+  ``data``: the prompts' :class:`~rft_jax.data.config.DataConfig` (default ``cfg.data``).
+
+  Raises:
+    RewardError: more of the round's environment calls failed (raised, timed out, returned
+      something malformed) than ``rollout.env_max_error_fraction``."""
   r = cfg.rollout
   problems = [Problem(prompt_messages(data or cfg.data, e.question), _extras(e)) for e in examples]
   trajectories = run_trajectories(model, tokenizer, problems, params, r, agent.workers, seed=seed,

@@ -27,17 +27,13 @@ import jax
 import numpy as np
 
 from rft_jax.parallel import is_main_process, sync_processes
-from rft_jax.rewards import score_batch
-from rft_jax.rewards.user_functions import example_rows
 from rft_jax.rl.advantages.algorithms import AdvantageInputs, CriticRun
 from rft_jax.rl.advantages.critic import ActorCriticState
-from rft_jax.sampling import generate
 from rft_jax.train.checkpoint import RunCheckpointer, nonfinite_arrays
 from rft_jax.train.compilation_cache import CacheUse, persistent_compilation_cache, run_cache_dir
 from rft_jax.train.config import TrainConfig
 from rft_jax.train.debug_log import debug_log
 from rft_jax.train.errors import NonFiniteError, Preempted, WriteError
-from rft_jax.train.agent_round import sample_agent_round
 from rft_jax.train.evaluate import evaluate_problems
 from rft_jax.train.learning_signal import NoSignalWarning
 from rft_jax.train.metric_names import logged_name
@@ -62,20 +58,9 @@ from rft_jax.train.wandb_log import WandbLog
 
 def sample_round(run: Run, state, prompts: list, seed: int) -> SampledRound:
   """Stage 1, sample and score: rollouts of ``prompts`` with the policy of ``state``, decoded and
-  rewarded."""
-  cfg = run.config
-  if cfg.rollout.multi_turn:
-    return sample_agent_round(run, state, prompts, seed)
-  t0 = time.perf_counter()
-  rollouts = generate(run.learner.model(state), [list(p.token_ids) for p in prompts],
-                      sampling_params(cfg, run.stop_ids), seed=seed, mesh=run.mesh, keep_on_device=True)
-  t1 = time.perf_counter()
-  texts = run.tokenizer.batch_decode(rollouts.completions(), skip_special_tokens=True)
-  examples = [prompts[i].example for i in rollouts.prompt_index]
-  scored = score_batch(texts, [e.answer for e in examples], list(rollouts.finish_reason),
-                       [int(x) for x in rollouts.completion_lengths], cfg.rewards,
-                       rows=example_rows(examples))
-  return SampledRound(prompts, rollouts, texts, scored, t1 - t0, time.perf_counter() - t1)
+  rewarded, by the run's rollout engine (:mod:`rft_jax.train.rollout_engine`)."""
+  run.rollouts.update_weights(run.learner.model(state))
+  return run.rollouts.sample(prompts, sampling_params(run.config, run.stop_ids), seed)
 
 
 def sample_rounds(run: Run, state, step: int) -> list[SampledRound]:

@@ -18,6 +18,7 @@ from rft_jax.rl.advantages.critic import Critic
 from rft_jax.rl.learner import Learner
 from rft_jax.train.agent_round import AgentParts, agent_parts
 from rft_jax.train.config import TrainConfig
+from rft_jax.train.rollout_engine import RolloutEngine, rollout_engine
 from rft_jax.train.policy import load_policy
 from rft_jax.train.preflight import Inputs
 from rft_jax.train.run_state import load_model, run_mesh, run_state
@@ -39,10 +40,13 @@ class Run:
   data_report: dict
   critic: Critic | None = None  # PPO's (learner.advantage: gae); the state is then an ActorCriticState
   agent: AgentParts | None = None  # multi-turn rollouts' environments and tools (rollout.environment)
+  rollouts: RolloutEngine | None = None  # makes each step's rounds (rft_jax.train.rollout_engine)
 
   def close(self) -> None:
     """Stops what the run started besides the model (the environments' worker processes)."""
-    if self.agent is not None:
+    if self.rollouts is not None:
+      self.rollouts.close()
+    elif self.agent is not None:
       self.agent.close()
 
 
@@ -69,10 +73,12 @@ def build_run(cfg: TrainConfig, inputs: Inputs) -> tuple[Run, Any]:
     logger.info("LoRA rank %d, alpha %g on %s: %.3gM trainable parameters; the base is frozen",
                 cfg.model.lora.rank, cfg.model.lora.alpha, ", ".join(cfg.model.lora.targets),
                 sum(x.size for x in jax.tree.leaves(nnx.state(built.model, nnx.LoRAParam))) / 1e6)
+  agent = agent_parts(cfg, tokenizer, policy.stop_ids)
   run = Run(cfg, mesh, built.learner, tokenizer, stream, validation, inputs.eval_sets, policy.stop_ids,
             {"rows": report.rows, "skipped_rows": len(report.skipped), "prompts_too_long": too_long,
              "train_prompts": len(prompts), "validation_prompts": len(validation),
-             "dropped_prompts": dropped}, built.critic, agent_parts(cfg, tokenizer, policy.stop_ids))
+             "dropped_prompts": dropped}, built.critic, agent,
+            rollout_engine(cfg, tokenizer, agent, mesh))
   return run, built.state
 
 
