@@ -121,14 +121,16 @@ def hf_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = 
   return out.logits.float().numpy()
 
 
-def make_tiny_tokenizer(root: Path, vocab: int = 128) -> Path:
-  """A word-level fast tokenizer with the Qwen chat special tokens and :data:`CHAT_TEMPLATE`."""
+def make_tiny_tokenizer(root: Path, vocab: int = 128, words: list[str] | None = None,
+                        name: str = "tokenizer") -> Path:
+  """A word-level fast tokenizer with the Qwen chat special tokens, ``words`` (default a few of a
+  question's) and :data:`CHAT_TEMPLATE`, saved under ``root/name``."""
   from tokenizers import Tokenizer, models, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
 
   specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  words = ["system", "user", "assistant", "\n", "what", "is", "1+1", "?", "be", "brief"]
-  table = {w: i for i, w in enumerate(specials + words)}
+  words = words or ["what", "is", "1+1", "?", "be", "brief"]
+  table = {w: i for i, w in enumerate(specials + ["system", "user", "assistant", "\n"] + words)}
   table.update({f"w{i}": i for i in range(len(table), vocab)})
   tok = Tokenizer(models.WordLevel(table, unk_token="<|endoftext|>"))
   tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -137,7 +139,7 @@ def make_tiny_tokenizer(root: Path, vocab: int = 128) -> Path:
                                  pad_token="<|endoftext|>",
                                  additional_special_tokens=specials[1:])
   fast.chat_template = CHAT_TEMPLATE
-  out = Path(root) / "tokenizer"
+  out = Path(root) / name
   fast.save_pretrained(out)
   return out
 

@@ -22,6 +22,7 @@ from rft_jax.environments.base import StepOutput
 from rft_jax.environments.base import check_messages
 from rft_jax.environments.base import check_step_output
 from rft_jax.environments.registry import construct
+from rft_jax.rewards.worker_process import received
 
 READY = "__ready__"
 _ERROR_CHARS = 500  # an environment's exception is reported as one line of at most this
@@ -130,11 +131,7 @@ def serve(conn) -> None:
   host = Host()
   conn.send(READY)
   try:
-    while True:
-      try:
-        msg = conn.recv_bytes()
-      except (EOFError, OSError):
-        return
+    for msg in received(conn):
       try:
         call = pickle.loads(msg)  # here, so that a factory it cannot import is an error
       except Exception as e:  # noqa: BLE001

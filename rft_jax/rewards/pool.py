@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-from rft_jax.rewards.worker_process import WorkerProcess
+from rft_jax.rewards.worker_process import WorkerProcess, received
 
 _READY = "__ready__"
 _MAX_STARTUP_FAILURES = 3
@@ -71,11 +71,7 @@ def _serve(conn) -> None:
   if initializer is not None:
     initializer()
   conn.send(_READY)
-  while True:
-    try:
-      msg = conn.recv_bytes()
-    except (EOFError, OSError):
-      return
+  for msg in received(conn):
     try:
       task = pickle.loads(msg)  # here, so that a function it cannot import is an error
       if task is None:

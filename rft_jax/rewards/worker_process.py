@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 # The worker's whole command line: take the parent's sys.path, then serve.
 _BOOTSTRAP = (
@@ -86,6 +86,15 @@ def become_worker(parent_pid: int, serve: str) -> Callable:
 
 _launcher: Optional[tuple[int, queue.SimpleQueue]] = None  # (pid, request queue)
 _launcher_lock = threading.Lock()
+
+
+def received(conn) -> Iterator[bytes]:
+  """A worker's loop over the messages its parent sends, until the parent goes away."""
+  while True:
+    try:
+      yield conn.recv_bytes()
+    except (EOFError, OSError):
+      return
 
 
 def _launcher_loop(requests: queue.SimpleQueue) -> None:
