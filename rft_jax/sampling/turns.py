@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 
 import flax.struct
-import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx

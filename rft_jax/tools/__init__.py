@@ -23,3 +23,9 @@ from rft_jax.tools.sandbox import sandbox_missing
 from rft_jax.tools.schema import check_arguments
 from rft_jax.tools.schema import tool_schema
 from rft_jax.tools.toolbox import ToolBox
+
+__all__ = [
+    "ParsedCalls", "SandboxLimits", "SandboxResult", "ToolBox", "ToolCall", "ToolResult",
+    "calculator", "check_arguments", "has_tool_call", "parse_tool_calls", "python_tool",
+    "result_text", "run_python", "sandbox_missing", "tool_message", "tool_schema",
+]
